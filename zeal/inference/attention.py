@@ -1,0 +1,95 @@
+"""Paged attention in pure torch: K/V live in blocks, gathered through block tables.
+
+Cache layout per layer: ``k_cache, v_cache`` of shape
+``(num_blocks, block_size, n_kv_heads, head_dim)``. Token ``p`` of a sequence
+lives in slot ``p % block_size`` of block ``block_table[p // block_size]``.
+
+A ragged pass mixes decode tokens (one query per sequence) and prompt chunks.
+Decodes are batched into one masked attention over the padded gathered
+contexts; each prompt chunk attends on its own (causal, offset by the tokens
+already in cache). On CUDA ``F.scaled_dot_product_attention`` picks a fused
+kernel; on CPU it is the math path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """Rows ``[q_start, q_start + q_len)`` of the flat batch; the sequence then has
+    ``ctx_len`` tokens in cache (the chunk included)."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_table: torch.Tensor  # (num_blocks_of_seq,)
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat batch maps onto the paged cache for one pass."""
+
+    slot_mapping: torch.Tensor  # (T,) flat slot index of each new token
+    decode_rows: torch.Tensor | None = None  # (D,) rows of decode tokens in the flat batch
+    decode_block_tables: torch.Tensor | None = None  # (D, max_blocks), padded with 0
+    decode_ctx_lens: torch.Tensor | None = None  # (D,)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys/values ``(T, n_kv, hd)`` at their slots."""
+    nb, bs, nkv, hd = k_cache.shape
+    k_cache.view(nb * bs, nkv, hd).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(nb * bs, nkv, hd).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> torch.Tensor:
+    """Contiguous ``(ctx_len, n_kv, hd)`` view of one sequence's cached keys or values."""
+    bs = cache.shape[1]
+    return cache[block_table].reshape(-1, *cache.shape[2:])[:ctx_len] if ctx_len > bs else cache[block_table[0], :ctx_len]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this pass's K/V into the cache, then attend. q: (T, nh, hd); k, v: (T, nkv, hd)."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nh, nkv = q.shape[1], k.shape[1]
+    gqa = nh != nkv
+    if meta.decode_rows is not None and meta.decode_rows.numel():
+        tables, lens = meta.decode_block_tables, meta.decode_ctx_lens
+        d, mb = tables.shape
+        bs = k_cache.shape[1]
+        kd = k_cache[tables].reshape(d, mb * bs, nkv, -1).transpose(1, 2)  # (D, nkv, L, hd)
+        vd = v_cache[tables].reshape(d, mb * bs, nkv, -1).transpose(1, 2)
+        mask = torch.arange(mb * bs, device=q.device)[None, :] < lens[:, None]  # (D, L)
+        qd = q[meta.decode_rows].unsqueeze(2)  # (D, nh, 1, hd)
+        y = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask[:, None, None, :],
+                                           enable_gqa=gqa)
+        out[meta.decode_rows] = y.squeeze(2)
+    for c in meta.prefills:
+        rows = slice(c.q_start, c.q_start + c.q_len)
+        qc = q[rows].transpose(0, 1)  # (nh, q_len, hd)
+        if c.ctx_len == c.q_len:  # nothing cached before this chunk: use the fresh K/V
+            kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            y = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
+        else:
+            kc = gather_kv(k_cache, c.block_table, c.ctx_len).transpose(0, 1).to(q.dtype)
+            vc = gather_kv(v_cache, c.block_table, c.ctx_len).transpose(0, 1).to(q.dtype)
+            # query i sits at absolute position ctx_len - q_len + i and sees keys <= it
+            qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)[:, None]
+            mask = torch.arange(c.ctx_len, device=q.device)[None, :] <= qpos
+            y = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
+        out[rows] = y.transpose(0, 1)
+    return out

@@ -1,0 +1,236 @@
+"""The engine loop: schedule a pass, run it, sample, detokenize, stop, report.
+
+Synchronous and single-threaded; the server runs it in a background thread
+(:mod:`zeal.inference.async_engine`) and the Python API calls :meth:`LLMEngine.step`
+until its requests are done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zeal.inference.block_manager import BlockManager
+from zeal.inference.metrics import EngineMetrics
+from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
+from zeal.inference.outputs import CompletionOutput, RequestOutput, StepStats
+from zeal.inference.sampler import sample
+from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.scheduler import Scheduler, SchedulerConfig
+from zeal.inference.sequence import Sequence
+from zeal.inference.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    """Memory and batching knobs of the engine."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # default: kv_cache_bytes / bytes per block
+    kv_cache_bytes: int = 512 << 20
+    max_num_batched_tokens: int = 512  # SplitFuse token budget per forward pass
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's context
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model (scheduler + block manager + runner + sampler)."""
+
+    def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
+                 eos_token_ids: list[int] | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self.tokenizer = tokenizer
+        smodel = as_serving_model(model)
+        p = next(smodel.parameters())
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, cfg.block_size, p.dtype))
+        self.runner = ModelRunner(smodel, num_blocks, cfg.block_size)
+        self.bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs), self.bm)
+        self.max_model_len = min(cfg.max_model_len or smodel.max_positions, smodel.max_positions)
+        self.max_seq_tokens = min(self.max_model_len, num_blocks * cfg.block_size)
+        self.vocab_size = smodel.config.vocab_size
+        eos = list(eos_token_ids or [])
+        if tokenizer is not None:
+            eos += [e for e in tokenizer.eos_token_ids if e not in eos]
+        self.eos_token_ids = set(eos)
+        self.requests: dict[str, _Request] = {}
+        self.metrics = EngineMetrics()
+        self._seq_ids = itertools.count()
+        self.last_stats = StepStats()
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ``ValueError`` for one that could never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"prompt has token ids outside [0, {self.vocab_size})")
+        if len(prompt_ids) + params.max_tokens > self.max_seq_tokens:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"maximum sequence length {self.max_seq_tokens}"
+            )
+        req = _Request(request_id, prompt_ids, params)
+        seq = self._new_seq(req, 0)
+        seq.pending_fork = params.n > 1
+        self.requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def _new_seq(self, req: _Request, index: int) -> Sequence:
+        p = req.params
+        gen = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
+        seq = Sequence(next(self._seq_ids), req.request_id, req.prompt_ids, p, index=index, generator=gen,
+                       arrival_time=req.arrival_time)
+        req.seqs.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (unknown ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        self.metrics.on_finish("abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    def load_weights(self, named_tensors) -> int:
+        """New weights in place (RLHF); cached prefixes were computed with the old ones, so drop them."""
+        n = self.runner.load_weights(named_tensors)
+        self.bm.cached.clear()
+        self.bm.block_hash.clear()
+        return n
+
+    # ------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One forward pass. Returns an output for every request that progressed or ended."""
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        for seq in sched.failed:
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                req.error = seq.error
+                touched[req.request_id] = req
+        logits = self.runner.execute(sched).cpu()
+        to_sample: list[Sequence] = []
+        prompt_tokens = 0
+        for c in sched.chunks:
+            c.seq.num_computed += c.num_tokens
+            self.bm.commit(c.seq)
+            if not c.seq.is_decoding or c.num_tokens > 1:
+                prompt_tokens += c.num_tokens
+            if c.sample:
+                to_sample.append(c.seq)
+        results = sample(logits, [(s.prompt_ids, s.output_ids) for s in to_sample],
+                         [s.params for s in to_sample], [s.generator for s in to_sample])
+        now = time.monotonic()
+        for row, (seq, res) in enumerate(zip(to_sample, results)):
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            if seq.pending_fork:
+                seq.pending_fork = False
+                for i in range(1, seq.params.n):
+                    child = self._new_seq(req, i)
+                    child.output_ids = list(seq.output_ids)
+                    self.bm.fork(seq, child)
+                    self.scheduler.add_running(child)
+                    cres = sample(logits[row : row + 1], [(child.prompt_ids, child.output_ids)], [child.params],
+                                  [child.generator])[0]
+                    self._append(child, cres, now)
+            self._append(seq, res, now)
+        stats = StepStats(sched.num_tokens, len(to_sample), prompt_tokens, len(sched.chunks), len(sched.preempted),
+                          time.monotonic() - t0)
+        self.last_stats = stats
+        self.metrics.on_step(prompt_tokens, stats.num_decode_tokens, stats.num_preempted)
+        return [self._output(r) for r in touched.values()]
+
+    def _append(self, seq: Sequence, res, now: float) -> None:
+        seq.output_ids.append(res.token)
+        if res.logprob is not None:
+            seq.logprobs.append({"token": res.token, "logprob": res.logprob, "top_logprobs": res.top_logprobs or {}})
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.index == 0:
+                self.metrics.on_first_token(now - seq.arrival_time)
+        else:
+            self.metrics.on_token(now - seq.last_token_time)
+        seq.last_token_time = now
+        p, tok = seq.params, res.token
+        reason = None
+        stopped_by_token = (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids
+        if stopped_by_token:
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_tokens:
+            reason = "length"
+        if self.tokenizer is not None:
+            ids = seq.output_ids[:-1] if stopped_by_token else seq.output_ids
+            seq.text = self.tokenizer.decode(ids)
+            if p.stop:
+                window = seq.emitted_chars - max(len(s) for s in p.stop)
+                hits = [i for s in p.stop if (i := seq.text.find(s, max(0, window))) >= 0]
+                if hits:
+                    seq.text = seq.text[: min(hits)]
+                    reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
+        for seq in req.seqs:
+            new_ids = seq.output_ids[seq.emitted_tokens :]
+            seq.emitted_tokens = len(seq.output_ids)
+            end = len(seq.text)
+            if not seq.finished:
+                end -= hold
+                while end > seq.emitted_chars and seq.text[end - 1] == "\ufffd":
+                    end -= 1  # an incomplete UTF-8 character: wait for its other bytes
+            delta = seq.text[seq.emitted_chars : end] if end > seq.emitted_chars else ""
+            seq.emitted_chars += len(delta)
+            outs.append(CompletionOutput(seq.index, list(seq.output_ids), seq.text, delta, new_ids,
+                                         seq.finish_reason, list(seq.logprobs) if seq.params.logprobs is not None else None))
+        finished = req.error is not None or (
+            len(req.seqs) == req.params.n and all(s.finished for s in req.seqs))
+        out = RequestOutput(req.request_id, req.prompt_ids, outs, finished, req.error, req.arrival_time,
+                            req.seqs[0].first_token_time)
+        if finished:
+            out.finish_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self.metrics.on_finish("error" if req.error else (req.seqs[0].finish_reason or "stop"))
+        return out

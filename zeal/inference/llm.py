@@ -1,0 +1,136 @@
+"""Python API: ``LLM(path_or_model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zeal.inference.engine import EngineConfig, LLMEngine
+from zeal.inference.outputs import RequestOutput
+from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.tokenizer import Tokenizer
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> Path:
+    """A HF folder as is; a ``.gguf`` file converted once to a folder under the cache;
+    None: the embedded default model (SmolLM2-135M-Instruct)."""
+    from zeal.models.hf import convert_gguf, default_model_path
+
+    if path is None:
+        return default_model_path()
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        cache = Path(os.environ.get("ZEAL_CACHE", Path.home() / ".cache" / "zeal"))
+        out = cache / f"{p.stem}-{p.stat().st_size}"
+        if not (out / "model.safetensors").exists():
+            convert_gguf(p, out)
+        return out
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{p} is neither a model folder (config.json + safetensors) nor a .gguf file")
+    return p
+
+
+def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
+                             device: str | torch.device = "cpu") -> tuple[nn.Module, Tokenizer | None, list[int]]:
+    from zeal.models.hf import load_hf_model
+
+    p = resolve_model_path(path)
+    model, cfg = load_hf_model(p, dtype)
+    eos = cfg.get("eos_token_id")
+    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+    return model.to(device), Tokenizer.from_folder(p), eos_ids
+
+
+class LLM:
+    """Offline generation with the serving engine.
+
+    ``model`` is a folder, a ``.gguf`` file, None (the default model), or a model
+    instance (``zeal.models.GPT`` or ``zeal.models.llama.Llama``) whose weights are
+    used in place. Engine knobs (``block_size``, ``num_blocks``,
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+    ``enable_prefix_caching``, ``kv_cache_bytes``) are keyword arguments.
+    """
+
+    def __init__(self, model: str | os.PathLike | nn.Module | None = None, tokenizer: Tokenizer | str | None = None,
+                 *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 eos_token_ids: list[int] | None = None, **engine_kwargs) -> None:
+        if isinstance(model, nn.Module):
+            module, tok, eos = model.eval(), None, list(eos_token_ids or [])
+            if isinstance(tokenizer, Tokenizer):
+                tok = tokenizer
+            elif tokenizer is not None:
+                tok = Tokenizer.from_folder(tokenizer)
+        else:
+            module, tok, eos = load_model_and_tokenizer(model, dtype, device)
+            eos += list(eos_token_ids or [])
+        self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos)
+        self.tokenizer = tok
+
+    def _add(self, prompt, params: SamplingParams) -> str:
+        rid = uuid.uuid4().hex
+        self.engine.add_request(rid, prompt, params)
+        return rid
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids) in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self._add(p, sp))
+            done: dict[str, RequestOutput] = {}
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        finally:
+            for rid in ids:
+                self.engine.abort(rid)
+        return [done[r] for r in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a :class:`RequestOutput` each time the request progresses (``delta_text`` holds the new text)."""
+        rid = self._add(prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn with the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+    def load_weights(self, named_tensors) -> int:
+        """Copy new weights into the model in place (see ``ModelRunner.load_weights``)."""
+        return self.engine.load_weights(named_tensors)
+
+
+def generate_text(model_path: str | None, prompts: list[str], max_tokens: int = 64, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, chat: bool = False,
+                  **engine_kwargs) -> list[str]:
+    """Helper for ``zeal generate``: load ``model_path`` (None: the default model) and
+    return one completion text per prompt (``chat=True`` wraps each prompt as a user turn)."""
+    llm = LLM(model_path, **engine_kwargs)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    if chat:
+        if llm.tokenizer is None:
+            raise ValueError(f"{model_path} has no tokenizer")
+        inputs = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    else:
+        inputs = list(prompts)
+    return [o.text for o in llm.generate(inputs, params)]

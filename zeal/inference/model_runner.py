@@ -1,0 +1,132 @@
+"""The model runner owns the device: the model's weights, the paged KV cache,
+and the translation of a :class:`SchedulerOutput` into one forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from zeal.inference.attention import AttentionMetadata, PrefillChunk, paged_attention
+from zeal.inference.gpt_adapter import PagedGPT
+from zeal.inference.sequence import SchedulerOutput
+from zeal.models.gpt import GPT
+
+
+def as_serving_model(model: nn.Module) -> nn.Module:
+    """Wrap models whose own ``forward`` is not the flat-batch serving forward."""
+    return PagedGPT(model) if isinstance(model, GPT) else model
+
+
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    elt = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elt
+
+
+class ModelRunner:
+    """Runs ragged passes of a serving model (``Llama`` or ``PagedGPT``) over a paged KV cache.
+
+    Weights are the model's own tensors: :meth:`load_weights` copies new values
+    into them in place, so a trainer can push weights without rebuilding
+    anything (the KV cache should then be considered stale; the engine resets
+    its prefix cache).
+    """
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+        self.model = as_serving_model(model)
+        p = next(self.model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv_dtype = kv_dtype or self.dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_block_copies = 0
+        shape = (num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
+
+    @property
+    def vocab_size(self) -> int:
+        m = self.model
+        return m.config.vocab_size
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the model's parameters by name (names of the wrapped
+        model, e.g. ``transformer.h.0.attn.c_attn.weight`` for zeal's GPT). HF GPT-2
+        Conv1D weights given as ``(in, out)`` are transposed. Returns how many were copied."""
+        params = dict(self.model.named_parameters())
+        if isinstance(self.model, PagedGPT):
+            params = {k.removeprefix("gpt."): v for k, v in params.items()}
+        n = 0
+        with torch.no_grad():
+            for name, t in named_tensors:
+                if name not in params:
+                    if name.endswith(("attn.bias", "masked_bias")) or name == "lm_head.weight":
+                        continue
+                    raise KeyError(f"load_weights: unknown parameter {name!r}")
+                dst = params[name]
+                if dst.shape != t.shape and t.dim() == 2 and dst.shape == t.shape[::-1]:
+                    t = t.t()
+                if dst.shape != t.shape:
+                    raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(t)
+                n += 1
+        return n
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        self.num_block_copies += len(copies)
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[dst] = kc[src]
+            vc[dst] = vc[src]
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the chunks: token ids, positions, attention metadata, rows to sample."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        dec_rows, dec_tables, dec_lens = [], [], []
+        prefills = []
+        for c in out.chunks:
+            seq, start, n = c.seq, c.start, c.num_tokens
+            row0 = len(ids)
+            ids.extend(seq.tokens[start : start + n])
+            pos.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if c.sample:
+                sample_rows.append(row0 + n - 1)
+            if n == 1 and start > 0:
+                dec_rows.append(row0)
+                dec_tables.append(table[: (start + bs) // bs])
+                dec_lens.append(start + 1)
+            else:
+                prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(table, device=self.device)))
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            meta.decode_rows = torch.tensor(dec_rows, device=dev)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], device=dev)
+            meta.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
+        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
+                torch.tensor(sample_rows, device=dev, dtype=torch.long))
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run one pass; returns float32 logits ``(num_sampled_chunks, vocab)`` in chunk order."""
+        self.copy_blocks(out.copies)
+        if out.empty:
+            return torch.empty(0, self.vocab_size)
+        input_ids, positions, meta, sample_rows = self.prepare(out)
+
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return paged_attention(q, k, v, self.k_cache[layer], self.v_cache[layer], meta)
+
+        logits = self.model(input_ids, positions, attn, logits_index=sample_rows)
+        return logits.float()

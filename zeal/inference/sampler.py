@@ -1,0 +1,95 @@
+"""Turning logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+Pure functions of ``(logits, token history, SamplingParams, generator)``; greedy
+rows without penalties take a batched ``argmax`` fast path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeal.inference.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    """The drawn token and, when asked, its log-probability and the top alternatives."""
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], p: SamplingParams) -> torch.Tensor:
+    """Repetition penalty (HF: over prompt and output, divide positive logits and
+    multiply negative ones), then presence/frequency penalties (OpenAI: over output)."""
+    logits = logits.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=logits.device)
+        if seen.numel():
+            s = logits[seen]
+            logits[seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output_ids:
+        ids = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.numel()).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature then top-k, top-p (nucleus) and min-p truncation; removed entries get -inf."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k > 0 and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        # drop a token when the mass *before* it already reaches top_p (the top token always stays)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        logits = logits.scatter(0, order[drop], float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(logits, -1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _logprob_info(logits: torch.Tensor, token: int, k: int) -> SampleResult:
+    lp = torch.log_softmax(logits, -1)
+    top = {}
+    if k:
+        vals, idx = torch.topk(lp, k)
+        top = {int(i): float(v) for i, v in zip(idx, vals)}
+    return SampleResult(token, float(lp[token]), top)
+
+
+def sample(
+    logits: torch.Tensor,
+    histories: list[tuple[list[int], list[int]]],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[SampleResult]:
+    """Draw one token per row of ``logits (S, V)``. ``histories[i]`` is ``(prompt_ids, output_ids)``.
+    Logprobs are those of the model's distribution (before penalties and truncation)."""
+    results: list[SampleResult | None] = [None] * len(params)
+    fast = [i for i, p in enumerate(params) if p.greedy and not p.needs_penalties]
+    if fast:
+        toks = logits[fast].argmax(-1).tolist()
+        for i, t in zip(fast, toks):
+            results[i] = SampleResult(t)
+    for i, p in enumerate(params):
+        if results[i] is None:
+            row = logits[i]
+            if p.needs_penalties:
+                row = apply_penalties(row, *histories[i], p)
+            if p.greedy:
+                tok = int(row.argmax())
+            else:
+                probs = torch.softmax(filter_logits(row, p), -1)
+                tok = int(torch.multinomial(probs, 1, generator=generators[i]))
+            results[i] = SampleResult(tok)
+        if params[i].logprobs is not None:
+            results[i] = _logprob_info(logits[i], results[i].token, params[i].logprobs)
+    return results

@@ -1,0 +1,102 @@
+"""Plain data shared by the scheduler, the block manager and the model runner."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from zeal.inference.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens (a request with ``n > 1`` forks into ``n`` sequences).
+
+    Invariant: the KV of ``tokens[:num_computed]`` is in the blocks of
+    ``block_table``; ``tokens[num_computed:]`` is what the next passes must feed.
+    A decoding sequence has exactly one uncomputed token (the last sampled one).
+    Preemption by recompute resets ``num_computed`` to 0 and frees the blocks.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    index: int = 0  # choice index within the request (n > 1)
+    output_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[dict] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    pending_fork: bool = False  # n > 1: fork the siblings at the first sample
+    # detokenizer state (owned by the engine)
+    text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    last_token_time: float = 0.0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt: only the last sampled token is left to feed."""
+        return self.num_uncomputed == 1 and len(self.output_ids) > 0
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at ``seq.num_computed`` go into this pass;
+    ``sample`` is true when the chunk ends the known tokens (a token is then drawn)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One forward pass: ragged chunks (decodes first), block copies to do first
+    (copy-on-write), and the sequences preempted or failed in this round."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks

