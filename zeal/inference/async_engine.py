@@ -1,0 +1,149 @@
+"""The engine in a background thread, spoken to through queues (for the HTTP server).
+
+Commands (add, abort) go into a thread-safe inbox; the engine thread applies
+them between steps, so the engine itself is only ever touched by one thread.
+Outputs go back to the event loop of the caller through ``call_soon_threadsafe``
+into one ``asyncio.Queue`` per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+
+from zeal.inference.engine import LLMEngine
+from zeal.inference.outputs import RequestOutput
+from zeal.inference.sampling_params import SamplingParams
+
+log = logging.getLogger("zeal.serve")
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full (the server answers 429)."""
+
+
+class AsyncEngine:
+    """Thread-hosted :class:`LLMEngine` with an asyncio front.
+
+    ``max_waiting`` bounds requests accepted but not yet admitted to the running
+    batch; beyond it :meth:`generate` raises :class:`QueueFullError` at once.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._pending_adds = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="zeal-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Cancel what is in flight and stop the thread."""
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + self._pending_adds
+
+    # ------------------------------------------------------------ API (event loop side)
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; closing the iterator early aborts it."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if self.num_waiting >= self.max_waiting:
+                self.engine.metrics.rejected_total += 1
+                raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
+            self._pending_adds += 1
+            self._streams[request_id] = (loop, q)
+        self._inbox.put(("add", request_id, prompt_ids, params))
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ------------------------------------------------------------ engine thread
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.engine.abort(request_id)
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt_ids, params = cmd
+            with self._lock:
+                self._pending_adds -= 1
+                listening = rid in self._streams
+            if not listening:
+                return  # aborted before it reached the engine
+            try:
+                self.engine.add_request(rid, prompt_ids, params)
+            except ValueError as e:
+                self._deliver(rid, e)
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                cmd = self._inbox.get(timeout=0.05) if idle else self._inbox.get_nowait()
+                self._apply(cmd)
+                while True:
+                    self._apply(self._inbox.get_nowait())
+            except queue.Empty:
+                pass
+            if self._stop.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outs = self.engine.step()
+                self.steps += 1
+            except Exception as e:  # a bug must not kill the server: fail the requests in flight
+                log.exception("engine step failed")
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid)
+                    self._deliver(rid, RuntimeError(f"engine error: {e}"))
+                time.sleep(0.01)
+                continue
+            for out in outs:
+                self._deliver(out.request_id, out)
+        for rid in list(self.engine.requests):  # shutting down: cancel the rest
+            self.engine.abort(rid)
+            self._deliver(rid, RuntimeError("server is shutting down"))
