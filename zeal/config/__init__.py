@@ -1,0 +1,73 @@
+"""One typed, validated configuration tree (pydantic v2, unknown keys refused)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from zeal.config.ds_compat import translate
+from zeal.config.schema import Config, ZeroConfig
+
+__all__ = ["Config", "ZeroConfig", "ConfigError", "load_config"]
+
+log = logging.getLogger("zeal")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key path and the rule."""
+
+
+def load_config(source: Config | dict[str, Any] | str | os.PathLike | None) -> Config:
+    """Build a :class:`Config` from a dict, a JSON/YAML file or an existing Config."""
+    if source is None:
+        return Config()
+    if isinstance(source, Config):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        text = path.read_text()
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                raw = yaml.safe_load(text)
+            else:
+                raw = json.loads(text)
+        except Exception as e:  # noqa: BLE001 - parser errors vary by format
+            raise ConfigError(f"config file {str(path)!r} is not valid {path.suffix.lstrip('.') or 'JSON'}: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+        source = raw
+    if not isinstance(source, dict):
+        raise ConfigError(f"config must be a dict, a path or a zeal.Config, got {type(source).__name__}")
+    try:
+        cfg, notes = translate(source)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for n in notes:
+        log.info(n)
+    try:
+        return Config.model_validate(cfg)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from None
+
+
+def format_validation_error(e: ValidationError) -> str:
+    """One line per problem: ``key.path: message (got value)``."""
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = err.get("input")
+        suffix = f" (got {got!r})" if err["type"] != "extra_forbidden" and not isinstance(got, dict) else ""
+        lines.append(f"config key '{loc}': {msg}{suffix}")
+    return "; ".join(lines)

@@ -1,0 +1,191 @@
+"""The typed configuration tree: what can be set, with a description on every field.
+
+Key names follow DeepSpeed's JSON where DeepSpeed has the setting, so a DeepSpeed
+config validates as it is; translation of legacy spellings and the list of keys
+zeal knows but does not support live in ``ds_compat.py``. Every model forbids
+unknown keys, so a typo fails at start-up with the key path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Auto = Literal["auto"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptimizerConfig(Section):
+    type: str = Field("AdamW", description="Adam, AdamW, SGD, or any torch.optim class by name.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer.")
+
+
+class SchedulerConfig(Section):
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = Field(
+        ..., description="Learning-rate schedule, stepped once per optimizer step."
+    )
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the schedule.")
+
+
+class FP16Config(Section):
+    enabled: bool = Field(False, description="fp16 compute with fp32 master weights and loss scaling.")
+    loss_scale: float = Field(0.0, ge=0, description="0 = dynamic loss scaling; > 0 = this static scale.")
+    initial_scale_power: int = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**power.")
+    loss_scale_window: int = Field(1000, ge=1, description="Steps without overflow before the scale doubles.")
+    hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale halves.")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after each good step.")
+    min_loss_scale: float = Field(1.0, gt=0, description="The scale never drops below this.")
+
+
+class BF16Config(Section):
+    enabled: bool = Field(False, description="bf16 compute with fp32 master weights (no loss scaling).")
+
+
+class OffloadOptimizerConfig(Section):
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where optimizer state and step live.")
+    nvme_path: str | None = Field(None, description="Folder for swap files when device is nvme.")
+    pin_memory: bool = Field(False, description="Use pinned host buffers (CUDA only).")
+    buffer_count: int = Field(4, ge=2, description="Swap buffers in the pool.")
+    ratio: float = Field(1.0, gt=0, le=1, description="Fraction of the optimizer step done on CPU.")
+    fast_init: bool = Field(False, description="Accepted for compatibility; no effect.")
+
+
+class OffloadParamConfig(Section):
+    device: Literal["none", "cpu", "nvme"] = Field("none", description="Where stage-3 parameter shards live.")
+    nvme_path: str | None = Field(None, description="Folder for parameter swap files when device is nvme.")
+    pin_memory: bool = Field(False, description="Use pinned host buffers (CUDA only).")
+    buffer_count: int = Field(5, ge=1, description="Parameter swap buffers.")
+    buffer_size: int = Field(100_000_000, ge=1, description="Elements per parameter swap buffer.")
+    max_in_cpu: int = Field(1_000_000_000, ge=0, description="Parameter elements kept in CPU memory.")
+
+
+class ZeroConfig(Section):
+    stage: int = Field(0, ge=0, le=3, description="0 = data parallel, 1 = optimizer state, 2 = +gradients, 3 = +parameters partitioned.")
+    reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient reduction bucket.")
+    allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per parameter all-gather bucket.")
+    overlap_comm: bool = Field(True, description="Launch gradient reductions during backward.")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous buffers (always on).")
+    reduce_scatter: bool = Field(True, description="Use reduce-scatter for partitioned gradients (always on).")
+    allgather_partitions: bool = Field(True, description="All-gather updated partitions (always on).")
+    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Parameter elements prefetched ahead of use.")
+    stage3_param_persistence_threshold: int = Field(100_000, ge=0, description="Modules with at most this many parameter elements stay gathered.")
+    stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, description="Gathered elements above which prefetch stops.")
+    stage3_max_reuse_distance: int = Field(
+        0, ge=0,
+        description="Keep a gathered module if it is used again within this many elements of the recorded trace. "
+        "zeal defaults to 0 (release after use, like FSDP); DeepSpeed's default 1e9 keeps the model gathered "
+        "between forward and backward, trading memory for the backward all-gather.",
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Accepted for compatibility.")
+    sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group (offload streaming).")
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    zero_quantized_weights: bool = Field(False, description="ZeRO++ qwZ: int8 block-quantized weight all-gather.")
+    zero_hpz_partition_size: int = Field(1, ge=1, description="ZeRO++ hpZ: ranks in the secondary partition (a node).")
+    zero_quantized_gradients: bool = Field(False, description="ZeRO++ qgZ: quantized two-hop gradient reduction.")
+    zero_quantization_block_size: int = Field(256, ge=1, description="Elements per quantization block (zeal).")
+
+    @field_validator(
+        "reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+        "sub_group_size", mode="before",
+    )
+    @classmethod
+    def _int_from_float(cls, v: Any) -> Any:
+        # DeepSpeed configs often write 5e8.
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        return v
+
+
+class AioConfig(Section):
+    block_size: int = Field(1_048_576, ge=512, description="Bytes per I/O request.")
+    queue_depth: int = Field(8, ge=1, description="I/O requests in flight.")
+    thread_count: int = Field(1, ge=1, description="I/O threads.")
+    single_submit: bool = Field(False, description="Accepted for compatibility.")
+    overlap_events: bool = Field(True, description="Overlap reads, compute and writes.")
+
+
+class CheckpointConfig(Section):
+    keep_last: int | None = Field(None, ge=1, description="Keep only the newest K committed checkpoints.")
+    fallback_to_previous: bool = Field(False, description="On a corrupt latest tag, load the previous committed one.")
+
+
+class Config(Section):
+    """The whole engine configuration (DeepSpeed JSON keys)."""
+
+    train_batch_size: int | Auto | None = Field(None, description="Global batch = micro × accumulation × world.")
+    train_micro_batch_size_per_gpu: int | Auto | None = Field(None, description="Samples per rank per forward.")
+    gradient_accumulation_steps: int | Auto | None = Field(None, description="Micro-batches per optimizer step.")
+    optimizer: OptimizerConfig | None = Field(None, description="Optimizer built by zeal when none is passed.")
+    scheduler: SchedulerConfig | None = Field(None, description="LR schedule built by zeal when none is passed.")
+    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    aio: AioConfig = Field(default_factory=AioConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")
+    wall_clock_breakdown: bool = Field(False, description="Time forward, backward, reduce, step and gather.")
+    seed: int = Field(1234, description="Seed for data order and meta-device materialisation.")
+    dist_backend: Literal["gloo", "nccl"] | None = Field(None, description="None = nccl on CUDA, gloo on CPU.")
+    local_world_size: int | None = Field(None, ge=1, description="Ranks per node (default: torchrun's LOCAL_WORLD_SIZE).")
+
+    @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    @classmethod
+    def _positive(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{info.field_name} must be >= 1, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; choose one")
+        z = self.zero_optimization
+        if z.offload_param.device != "none" and z.stage != 3:
+            raise ValueError(
+                f"zero_optimization.offload_param.device={z.offload_param.device!r} needs zero_optimization.stage 3, got {z.stage}"
+            )
+        if z.offload_optimizer.device != "none" and z.stage == 0:
+            raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
+        for key, sec in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
+            if sec.device == "nvme" and not sec.nvme_path:
+                raise ValueError(f"zero_optimization.{key}.nvme_path is required when device is 'nvme'")
+        return self
+
+    def resolve_batch(self, world_size: int) -> tuple[int, int, int]:
+        """(train_batch_size, micro_batch, accumulation) from any two of the three;
+        raises ValueError naming the rule when they disagree."""
+        tb, mb, ga = (None if v == "auto" else v for v in (
+            self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps))
+        if tb is not None and mb is not None and ga is not None:
+            if tb != mb * ga * world_size:
+                raise ValueError(
+                    f"train_batch_size {tb} != micro {mb} × accum {ga} × world {world_size}"
+                )
+        elif tb is not None and mb is not None:
+            ga, rem = divmod(tb, mb * world_size)
+            if rem or ga < 1:
+                raise ValueError(
+                    f"train_batch_size {tb} is not divisible by micro {mb} × world {world_size}"
+                )
+        elif tb is not None and ga is not None:
+            mb, rem = divmod(tb, ga * world_size)
+            if rem or mb < 1:
+                raise ValueError(
+                    f"train_batch_size {tb} is not divisible by accum {ga} × world {world_size}"
+                )
+        elif tb is not None:
+            ga = 1
+            mb, rem = divmod(tb, world_size)
+            if rem or mb < 1:
+                raise ValueError(f"train_batch_size {tb} is not divisible by world {world_size}")
+        else:
+            mb = mb or 1
+            ga = ga or 1
+        return mb * ga * world_size, mb, ga

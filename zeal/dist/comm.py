@@ -1,0 +1,144 @@
+"""Collectives with byte accounting.
+
+Counting convention (stated once, used by every test and report):
+* ``logical`` elements per rank follow the ZeRO papers: an all-gather or a
+  reduce-scatter of a tensor of n elements (the full, padded tensor) counts n, an
+  all-reduce counts 2n (reduce-scatter + all-gather), a broadcast n.
+* ``bytes`` is what this rank actually sends with a bandwidth-optimal algorithm:
+  (N-1)/N of the logical volume, times the element size. ``inter_node_bytes`` is
+  the part of it addressed to ranks on other nodes (node = rank // local_world_size),
+  assuming each rank sends each peer its 1/N chunk.
+* Each call carries a ``kind``: "param" (parameter gathers), "grad" (gradient
+  reductions) or "control" (norms, overflow flags, scalars); the textbook
+  volumes concern param + grad.
+At world size 1 nothing is sent and nothing is counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zeal.dist.context import DistContext
+
+
+@dataclass
+class _Counter:
+    calls: int = 0
+    logical_elems: int = 0
+    bytes: int = 0
+    inter_node_bytes: int = 0
+
+    def add(self, other: _Counter) -> None:
+        self.calls += other.calls
+        self.logical_elems += other.logical_elems
+        self.bytes += other.bytes
+        self.inter_node_bytes += other.inter_node_bytes
+
+
+@dataclass
+class CommStats:
+    """Per (op, kind) counters for the current step and the whole run."""
+
+    step: dict[tuple[str, str], _Counter] = field(default_factory=lambda: defaultdict(_Counter))
+    last_step: dict[tuple[str, str], _Counter] = field(default_factory=dict)
+    total: dict[tuple[str, str], _Counter] = field(default_factory=lambda: defaultdict(_Counter))
+
+    def record(self, op: str, kind: str, logical: int, nbytes: int, inter: int) -> None:
+        c = _Counter(1, logical, nbytes, inter)
+        self.step[(op, kind)].add(c)
+        self.total[(op, kind)].add(c)
+
+    def end_step(self) -> None:
+        self.last_step = dict(self.step)
+        self.step = defaultdict(_Counter)
+
+    @staticmethod
+    def _summary(table: dict[tuple[str, str], _Counter]) -> dict:
+        out: dict = {"by_op": {}, "by_kind": {}}
+        for (op, kind), c in sorted(table.items()):
+            out["by_op"][f"{op}/{kind}"] = vars(c).copy()
+            agg = out["by_kind"].setdefault(kind, vars(_Counter()).copy())
+            for k, v in vars(c).items():
+                agg[k] += v
+        return out
+
+    def report(self) -> dict:
+        return {"last_step": self._summary(self.last_step), "total": self._summary(self.total)}
+
+
+class Comm:
+    """A process group plus accounting. Every method takes the tensors it works on;
+    ``async_op=True`` returns a handle with ``wait()`` (a no-op handle at world size 1)."""
+
+    def __init__(self, ctx: DistContext, group: dist.ProcessGroup | None = None,
+                 ranks: list[int] | None = None, stats: CommStats | None = None) -> None:
+        self.ctx = ctx
+        self.group = group if group is not None else ctx.group
+        self.ranks = ranks if ranks is not None else list(range(ctx.world_size))
+        self.size = len(self.ranks)
+        self.stats = stats if stats is not None else CommStats()
+        me = ctx.node
+        self._remote_peers = sum(1 for r in self.ranks if ctx.node_of(r) != me)
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1 and self.group is not None
+
+    def _account(self, op: str, kind: str, numel: int, elem_size: int, factor: int = 1) -> None:
+        n = self.size
+        chunk_bytes = numel * elem_size // n
+        self.stats.record(op, kind, factor * numel, factor * chunk_bytes * (n - 1),
+                          factor * chunk_bytes * self._remote_peers)
+
+    def all_reduce(self, t: torch.Tensor, kind: str, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if not self.active:
+            return _Done()
+        self._account("all_reduce", kind, t.numel(), t.element_size(), factor=2)
+        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, kind: str, async_op: bool = False):
+        """``out`` (n·s elements) receives every rank's ``shard`` (s elements) in rank order."""
+        if not self.active:
+            if out.data_ptr() != shard.data_ptr():
+                out.copy_(shard.view(out.shape))
+            return _Done()
+        self._account("all_gather", kind, out.numel(), out.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=async_op)
+        return work or _Done()
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, kind: str, async_op: bool = False):
+        """``out`` (s elements) receives the sum over ranks of this rank's chunk of ``full``."""
+        if not self.active:
+            out.copy_(full.view(out.shape))
+            return _Done()
+        self._account("reduce_scatter", kind, full.numel(), full.element_size())
+        return dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op) or _Done()
+
+    def broadcast(self, t: torch.Tensor, src: int, kind: str) -> None:
+        if not self.active:
+            return
+        self._account("broadcast", kind, t.numel(), t.element_size())
+        with torch.autograd._unsafe_preserve_version_counter(t):
+            dist.broadcast(t, src=self.ranks[src], group=self.group)
+
+    def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
+        """All-reduce one float (control traffic); returns it unchanged at world size 1."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        self.all_reduce(t, "control", op=red)
+        return float(t.item())
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True

@@ -1,0 +1,59 @@
+"""Start torch.distributed from the torchrun environment, or run as one process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits. ``group`` is None when running alone (world size 1),
+    in which case every collective is skipped by :class:`zeal.dist.Comm`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    group: dist.ProcessGroup | None
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+
+def init_distributed(
+    backend: str | None = None, local_world_size: int | None = None, timeout_s: float = 600.0
+) -> DistContext:
+    """Join the job described by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR ...).
+
+    With no such variables and no initialised process group, returns a world-size-1
+    context. The backend is NCCL when CUDA is available, gloo otherwise.
+    """
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = backend or ("nccl" if cuda else "gloo")
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = dist.group.WORLD if world > 1 else None
+    else:
+        rank, world, group = 0, 1, None
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    lws = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if world % lws:
+        raise ValueError(f"local_world_size {lws} does not divide world size {world}")
+    if cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return DistContext(rank, world, local_rank, lws, device, group)

@@ -1,0 +1,158 @@
+"""zeal's own GPT: the GPT-2 architecture, single-device.
+
+Pre-LayerNorm blocks, learned positions, GELU (tanh) MLP, biases everywhere and
+an LM head tied to the token embedding. Parameter names follow Hugging Face's
+GPT-2 layout (``transformer.h.0.attn.c_attn.weight`` ...) so that export to a
+``transformers`` folder is a rename plus a transpose of the linear weights
+(GPT-2 stores them as ``Conv1D``, i.e. ``(in, out)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    """Shape of a GPT. ``n_embd`` must be divisible by ``n_head``."""
+
+    vocab_size: int = 4096
+    n_positions: int = 256
+    n_embd: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    dropout: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd {self.n_embd} is not divisible by model.n_head {self.n_head}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def num_parameters(self) -> int:
+        """Parameter count with the tied head counted once."""
+        d, v, p, n_layer = self.n_embd, self.vocab_size, self.n_positions, self.n_layer
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+        return v * d + p * d + n_layer * block + 2 * d
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        # (B, nh, T, hs)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class _Trunk(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+
+
+class GPT(nn.Module):
+    """GPT-2 style decoder. ``forward(input_ids, labels=None)`` returns logits, or the
+    mean next-token cross-entropy when ``labels`` is given (labels are the inputs;
+    the shift happens inside; ``-100`` is ignored)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.transformer = _Trunk(cfg)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """GPT-2 initialisation, applied per module (also used by zeal's meta-device
+        materialisation, which calls it one module at a time)."""
+        std = 0.02
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        t = input_ids.shape[1]
+        if t > self.config.n_positions:
+            raise ValueError(f"sequence length {t} exceeds model.n_positions {self.config.n_positions}")
+        pos = torch.arange(t, device=input_ids.device)
+        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+        )
+
+    @torch.no_grad()
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Plain sampling without a KV cache (the serving engine lives in ``zeal.inference``)."""
+        for _ in range(max_new_tokens):
+            ctx = input_ids[:, -self.config.n_positions :]
+            logits = self(ctx)[:, -1].float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            input_ids = torch.cat([input_ids, nxt], dim=1)
+        return input_ids

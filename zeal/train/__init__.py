@@ -1,0 +1,1 @@
+"""The training loop: engine, build (feature wiring), LR schedules, checkpoints."""

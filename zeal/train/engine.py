@@ -1,0 +1,259 @@
+"""The training engine: forward, backward, step — nothing else.
+
+Everything the engine works with is built and wired by :mod:`zeal.train.build`;
+the engine only sequences it. ``backward`` and ``step`` are called on every
+micro-batch (as in DeepSpeed): ``backward`` scales the loss by 1/accumulation
+(and by the fp16 loss scale), ``step`` updates only at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeal.config import Config
+from zeal.dist.comm import Comm
+from zeal.dist.context import DistContext
+from zeal.precision.loss_scaler import LossScaler
+from zeal.zero.grad_sync import GradReducer
+from zeal.zero.optimizer import ZeroOptimizer
+from zeal.zero.param_coordinator import ParamCoordinator
+from zeal.zero.units import FlatUnit
+
+
+@dataclass
+class EngineParts:
+    """What build.py hands the engine (plain data)."""
+
+    module: nn.Module
+    config: Config
+    ctx: DistContext
+    comm: Comm
+    units: list[FlatUnit]
+    reducer: GradReducer
+    zero_optimizer: ZeroOptimizer
+    coordinator: ParamCoordinator | None
+    scaler: LossScaler | None
+    lr_scheduler: Any
+    dataloader: Any
+    compute_dtype: torch.dtype
+    micro_batch: int
+    grad_accum: int
+
+
+class TrainEngine:
+    """``engine(batch)`` → loss; ``engine.backward(loss)``; ``engine.step()``.
+
+    Invariant: between steps, every rank holds the same model values (replicated or
+    as shards) and the same optimizer hyper-parameters; all ranks must call the
+    same methods in the same order, since most of them communicate."""
+
+    def __init__(self, parts: EngineParts) -> None:
+        self._p = parts
+        self.module = parts.module
+        self.config = parts.config
+        self.lr_scheduler = parts.lr_scheduler
+        self.dataloader = parts.dataloader
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._times: dict[str, float] = defaultdict(float)
+        self._timing = parts.config.wall_clock_breakdown
+        self.rank, self.world_size = parts.ctx.rank, parts.ctx.world_size
+        self.device = parts.ctx.device
+
+    # -- properties users expect -------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._p.zero_optimizer.optimizer
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._p.grad_accum
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._p.micro_batch
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._p.zero_optimizer.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self._p.scaler.scale if self._p.scaler else 1.0
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self._p.grad_accum == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the (unscaled, unclipped) mean gradient at the last step."""
+        return self._p.zero_optimizer.last_grad_norm
+
+    def train(self, mode: bool = True) -> TrainEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> TrainEngine:
+        return self.train(False)
+
+    # -- the loop ------------------------------------------------------------------------
+    def __call__(self, batch: Any, **kwargs: Any) -> Any:
+        return self.forward(batch, **kwargs)
+
+    def forward(self, batch: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        batch = self._to_device(batch)
+        if isinstance(batch, dict):
+            out = self.module(**batch, **kwargs)
+        elif isinstance(batch, (tuple, list)):
+            out = self.module(*batch, **kwargs)
+        else:
+            out = self.module(batch, **kwargs)
+        self._tick("forward", t0)
+        return out
+
+    def backward(self, loss: Any) -> None:
+        """Back-propagate ``loss`` (a tensor, or an output object with ``.loss``)."""
+        if not isinstance(loss, torch.Tensor):
+            loss = getattr(loss, "loss", None)
+            if loss is None:
+                raise TypeError("engine.backward needs a loss tensor or an output with a .loss attribute")
+        t0 = time.perf_counter()
+        p = self._p
+        p.reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        scale = (p.scaler.scale if p.scaler else 1.0) / p.grad_accum
+        (loss.float() * scale).backward()
+        t1 = time.perf_counter()
+        p.reducer.finish_backward()
+        if p.coordinator is not None:
+            p.coordinator.finish_backward()
+        self._times["backward"] += t1 - t0 if self._timing else 0.0
+        self._tick("reduce", t1)
+
+    def step(self) -> None:
+        """Count the micro-step; at the accumulation boundary update the model."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self._p.micro_batch * self.world_size
+        if not boundary:
+            return
+        t0 = time.perf_counter()
+        p = self._p
+        applied = p.zero_optimizer.step()
+        p.reducer.zero()
+        if p.coordinator is not None:
+            if applied:
+                p.coordinator.refresh_persistent()
+            p.coordinator.end_step()
+        if applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        p.comm.stats.end_step()
+        self._tick("step", t0)
+
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients (they are also dropped after every step)."""
+        self._p.reducer.zero()
+
+    # -- reports ---------------------------------------------------------------------------
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds persistently for parameters (trainable, in flat units),
+        gradients and optimizer state (separate fp32 masters + optimizer moments).
+        Transient gathered copies (ZeRO-3) and frozen parameters are reported apart."""
+        p = self._p
+        params = 0
+        gathered = 0
+        for u in p.units:
+            if not u.trainable:
+                continue
+            if u.partitioned:
+                params += u.nbytes_shard() + (u.padded * u.full.element_size() if u.persistent else 0)
+                if u.gathered and not u.persistent:
+                    gathered += u.padded * u.full.element_size()
+            else:
+                params += u.padded * u.full.element_size()
+        frozen = sum(
+            (u.nbytes_shard() if u.partitioned else u.padded * u.full.element_size())
+            for u in p.units if not u.trainable
+        )
+        out = {
+            "params": params,
+            "grads": p.reducer.nbytes(),
+            "optimizer": p.zero_optimizer.nbytes(),
+            "gathered_now": gathered,
+            "frozen": frozen,
+        }
+        out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        return out
+
+    def comm_stats(self) -> dict:
+        """Bytes and calls per collective for the last optimizer step and in total
+        (convention in :mod:`zeal.dist.comm`)."""
+        return self._p.comm.stats.report()
+
+    def wall_clock_breakdown(self) -> dict[str, float]:
+        """Seconds spent in forward, backward, reduce (waiting for gradient
+        collectives), step and gather (waiting for ZeRO-3 all-gathers), in total."""
+        out = dict(self._times)
+        if self._p.coordinator is not None:
+            out["gather"] = self._p.coordinator.gather_time
+        return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(self) -> Iterator[None]:
+        """Full parameters on every rank inside the block (a no-op below stage 3)."""
+        if self._p.coordinator is None:
+            yield
+        else:
+            with self._p.coordinator.gathered():
+                yield
+
+    def module_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state (parameters in fp32 from the masters where they exist,
+        plus buffers), on CPU, identical on every rank."""
+        with torch.no_grad(), self.gathered_parameters():
+            return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
+                    for k, v in self.module.state_dict().items()}
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        from zeal.train import checkpoint
+
+        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
+        from zeal.train import checkpoint
+
+        return checkpoint.load(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _to_device(self, batch: Any) -> Any:
+        if isinstance(batch, torch.Tensor):
+            b = batch.to(self.device, non_blocking=True)
+            if b.is_floating_point() and b.dtype != self._p.compute_dtype:
+                b = b.to(self._p.compute_dtype)
+            return b
+        if isinstance(batch, dict):
+            return {k: self._to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            return type(batch)(self._to_device(v) for v in batch)
+        return batch
+
+    def _tick(self, name: str, t0: float) -> None:
+        if self._timing:
+            self._times[name] += time.perf_counter() - t0

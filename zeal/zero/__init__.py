@@ -1,0 +1,1 @@
+"""Where every byte of parameters, gradients and optimizer state lives."""

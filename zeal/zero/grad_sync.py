@@ -1,0 +1,155 @@
+"""Gradient reduction for every stage, overlapped with backward.
+
+Modes (chosen by stage):
+* ``all_reduce`` (stage 0): gradients accumulate locally into a persistent full
+  buffer per unit (``param.grad`` is a view into it); at the accumulation
+  boundary each unit is all-reduced as soon as backward has produced all of its
+  gradients. Non-boundary micro-steps communicate nothing.
+* ``scatter_at_boundary`` (stage 1): as above, but a reduce-scatter leaves each
+  rank the summed slice it owns.
+* ``scatter_every_step`` (stages 2, 3): no full gradient is kept. Each gradient is
+  copied into a transient flat buffer as it is produced and ``param.grad`` dropped;
+  a complete unit is reduce-scattered and added to this rank's shard accumulator.
+  This runs on every micro-step (as DeepSpeed does), so volume is (GAS + 1)·Ψ.
+
+Reductions are launched asynchronously from post-accumulate-grad hooks in the
+order gradients complete, which is the same on every rank for the same graph.
+``overlap_comm=False`` launches them all after backward in unit order instead,
+which is safe when ranks may skip different parameters.
+Results are sums; :meth:`reduced_grad` divides by the world size (mean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from zeal.dist.comm import Comm
+from zeal.zero.units import FlatUnit
+
+MODES = ("all_reduce", "scatter_at_boundary", "scatter_every_step")
+
+
+class GradReducer:
+    def __init__(self, units: list[FlatUnit], comm: Comm, mode: str, overlap: bool = True,
+                 max_inflight_elems: int = 500_000_000,
+                 on_grads_taken: Callable[[FlatUnit], None] | None = None) -> None:
+        assert mode in MODES, mode
+        self.units = [u for u in units if u.trainable]
+        self.comm, self.mode, self.overlap = comm, mode, overlap
+        self.max_inflight = max_inflight_elems
+        self.on_grads_taken = on_grads_taken
+        self.world = comm.size
+        self.full_grads: dict[int, torch.Tensor] = {}
+        self.acc: dict[int, torch.Tensor] = {}       # summed shard per unit (stage 1: at boundary; 2/3: accumulated)
+        self._flat: dict[int, torch.Tensor] = {}     # transient flat grads (scatter_every_step)
+        self._pending: list[tuple[FlatUnit, object, torch.Tensor | None, torch.Tensor | None]] = []
+        self._inflight = 0
+        self._ready_count: dict[int, int] = {}
+        self._launched: set[int] = set()
+        self._boundary = True
+        self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
+        self.reduce_time = 0.0
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                self._slot_of[id(p)] = (u, i)
+            if mode != "scatter_every_step":
+                g = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                self.full_grads[u.index] = g
+                for slot, p in zip(u.slots, u.params):
+                    p.grad = g[slot.offset:slot.end].view(slot.shape)
+            else:
+                self.acc[u.index] = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -- per backward ---------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self._boundary = boundary
+        self._ready_count = {u.index: 0 for u in self.units}
+        self._launched = set()
+
+    def _communicates(self) -> bool:
+        return self.mode == "scatter_every_step" or self._boundary
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        u, i = self._slot_of[id(p)]
+        if self.mode == "scatter_every_step":
+            flat = self._flat.get(u.index)
+            if flat is None:
+                flat = self._flat[u.index] = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+            slot = u.slots[i]
+            flat[slot.offset:slot.end].copy_(p.grad.reshape(-1))
+            p.grad = None
+        self._ready_count[u.index] += 1
+        if (self.overlap and self._communicates() and self._ready_count[u.index] == len(u.params)):
+            self._launch(u)
+
+    def _launch(self, u: FlatUnit) -> None:
+        if u.index in self._launched:
+            return
+        self._launched.add(u.index)
+        if self.mode == "all_reduce":
+            work = self.comm.all_reduce(self.full_grads[u.index], "grad", async_op=True)
+            self._pending.append((u, work, None, None))
+        elif self.mode == "scatter_at_boundary":
+            out = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
+            work = self.comm.reduce_scatter(out, self.full_grads[u.index], "grad", async_op=True)
+            self._pending.append((u, work, out, None))
+        else:
+            flat = self._flat.pop(u.index, None)
+            if flat is None:  # no parameter of this unit received a gradient
+                flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+            out = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
+            work = self.comm.reduce_scatter(out, flat, "grad", async_op=True)
+            self._pending.append((u, work, out, flat))
+            if self.on_grads_taken is not None:  # stage 3: the gathered parameters may go
+                self.on_grads_taken(u)
+        self._inflight += u.padded
+        if self._inflight > self.max_inflight:
+            self._drain(keep=1)
+
+    def _drain(self, keep: int = 0) -> None:
+        while len(self._pending) > keep:
+            u, work, out, _flat = self._pending.pop(0)
+            work.wait()
+            self._inflight -= u.padded
+            if self.mode == "scatter_at_boundary":
+                self.acc[u.index] = out
+            elif self.mode == "scatter_every_step":
+                self.acc[u.index].add_(out)
+
+    def finish_backward(self) -> None:
+        """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
+        import time
+
+        t0 = time.perf_counter()
+        if self._communicates():
+            for u in self.units:
+                self._launch(u)
+        self._drain()
+        self.reduce_time += time.perf_counter() - t0
+
+    # -- for the optimizer ------------------------------------------------------------
+    def reduced_grad(self, u: FlatUnit) -> torch.Tensor:
+        """Mean gradient this rank updates: the full buffer (stage 0) or its shard."""
+        g = self.full_grads[u.index] if self.mode == "all_reduce" else self.acc[u.index]
+        if self.world > 1:
+            g.div_(self.world)
+        return g
+
+    def zero(self) -> None:
+        for g in self.full_grads.values():
+            g.zero_()
+        if self.mode == "scatter_every_step":
+            for a in self.acc.values():
+                a.zero_()
+        else:
+            self.acc.clear()
+
+    def nbytes(self) -> int:
+        """Persistent gradient bytes held by this rank."""
+        full = sum(g.numel() * g.element_size() for g in self.full_grads.values())
+        acc = sum(a.numel() * a.element_size() for a in self.acc.values()) if self.mode == "scatter_every_step" else 0
+        return full + acc
