@@ -43,9 +43,11 @@ class FlatUnit:
         self.needs_init = any(p.is_meta for p in self.params)
         for slot, p in zip(self.slots, self.params):
             view = self.full[slot.offset:slot.end].view(slot.shape)
-            if not p.is_meta:
+            if p.is_meta:  # a device change: swap the tensor behind the same Parameter object
+                torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+            else:
                 view.copy_(p.detach())
-            p.data = view
+                p.data = view
         self.shard = self.full[self.start:self.end]
         if partitioned:
             self.shard = self.shard.clone()
