@@ -1,0 +1,1 @@
+"""The ``zeal`` command line: one module per subcommand, wired in ``main.py``."""

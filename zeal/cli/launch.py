@@ -1,0 +1,148 @@
+"""`zeal launch`: a thin layer over ``torch.distributed.run`` (torchrun).
+
+One node: ``zeal launch --nproc 2 script.py args`` runs torchrun ``--standalone``.
+Several nodes: run the same command on every node with ``--nnodes``,
+``--node-rank`` and ``--master-addr``/``--master-port`` (c10d rendezvous hosted at
+the master address), or give ``--hostfile`` (lines ``host [slots=N]``; the first
+host is the master, this node's rank is its line unless ``--node-rank`` says
+otherwise). zeal starts no remote processes itself: no ssh, no home-made protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Host:
+    """One hostfile line."""
+
+    name: str
+    slots: int | None = None
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
+    """Hosts from ``host [slots=N]`` lines; ``#`` starts a comment."""
+    hosts: list[Host] = []
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *rest = line.split()
+        slots = None
+        for item in rest:
+            key, _, value = item.partition("=")
+            if key != "slots" or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{source}:{lineno}: expected 'host slots=N', got {raw.strip()!r}")
+            slots = int(value)
+        if any(h.name == name for h in hosts):
+            raise ValueError(f"{source}:{lineno}: host {name!r} listed twice")
+        hosts.append(Host(name, slots))
+    if not hosts:
+        raise ValueError(f"{source}: no hosts")
+    return hosts
+
+
+def _this_node_rank(hosts: list[Host]) -> int:
+    names = {socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1"}
+    for i, h in enumerate(hosts):
+        if h.name in names:
+            return i
+    raise ValueError("--hostfile: this machine is not in it; pass --node-rank")
+
+
+def torchrun_argv(nproc: int, program: list[str], *, nnodes: int = 1, node_rank: int | None = None,
+                  master_addr: str | None = None, master_port: int = 29500, rdzv_id: str = "zeal",
+                  rdzv_backend: str = "c10d", module: bool = False, max_restarts: int = 0) -> list[str]:
+    """The ``python -m torch.distributed.run`` command line for a launch.
+
+    Multi-node runs use the c10d rendezvous by default (ranks are assigned in
+    arrival order; ``node_rank`` is only checked); ``rdzv_backend="static"`` uses
+    ``node_rank`` as given, for a fixed rank layout."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if nnodes < 1:
+        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
+    if not program:
+        raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if nnodes == 1 and master_addr is None:
+        argv.append("--standalone")
+    else:
+        if master_addr is None:
+            raise ValueError("--nnodes > 1 needs --master-addr (or --hostfile)")
+        if node_rank is not None and not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
+        if rdzv_backend == "c10d":
+            argv += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}",
+                     f"--rdzv-id={rdzv_id}"]
+        elif rdzv_backend == "static":
+            if node_rank is None:
+                raise ValueError("--rdzv-backend static needs --node-rank")
+            argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+                     f"--master-port={master_port}"]
+        else:
+            raise ValueError(f"--rdzv-backend must be c10d or static, got {rdzv_backend!r}")
+    if max_restarts:
+        argv.append(f"--max-restarts={max_restarts}")
+    if module:
+        argv.append("-m")
+    return argv + list(program)
+
+
+def child_env(nproc: int) -> dict[str, str]:
+    """Environment for launched ranks: zeal importable from this checkout, and one
+    share of the CPU cores per rank unless OMP_NUM_THREADS is already set."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return env
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``zeal launch``."""
+    p = subparsers.add_parser(
+        "launch", help="run a script on N processes (and N nodes) through torchrun",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--nproc", type=int, default=None, help="processes per node (default: hostfile slots or 1)")
+    p.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or the hostfile's)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank among the nodes")
+    p.add_argument("--master-addr", default=None, help="address of node 0, hosting the c10d rendezvous")
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port (default 29500)")
+    p.add_argument("--hostfile", default=None, help="file of 'host slots=N' lines; first host is the master")
+    p.add_argument("--rdzv-id", default="zeal", help="job id shared by all nodes of one run")
+    p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"],
+                   help="c10d (default; ranks by arrival) or static (ranks by --node-rank)")
+    p.add_argument("-m", "--module", action="store_true", help="the program is a Python module, as python -m")
+    p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
+    p.add_argument("program", nargs=argparse.REMAINDER, help="script.py (or module with -m) and its arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``zeal launch``: build the torchrun command, run it, return its exit code."""
+    nproc, nnodes, node_rank, master = args.nproc, args.nnodes, args.node_rank, args.master_addr
+    if args.hostfile:
+        path = Path(args.hostfile)
+        if not path.is_file():
+            raise ValueError(f"--hostfile {args.hostfile!r} is not a file")
+        hosts = parse_hostfile(path.read_text(), args.hostfile)
+        nnodes = nnodes or len(hosts)
+        master = master or hosts[0].name
+        if node_rank is None:
+            node_rank = _this_node_rank(hosts)
+        if nproc is None:
+            nproc = hosts[node_rank].slots
+    argv = torchrun_argv(nproc or 1, args.program, nnodes=nnodes or 1, node_rank=node_rank, master_addr=master,
+                         master_port=args.master_port, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
+                         module=args.module)
+    if args.dry_run:
+        print(" ".join(argv))
+        return 0
+    return subprocess.call(argv, env=child_env(nproc or 1))

@@ -1,0 +1,178 @@
+"""`zeal train`: build a job spec from defaults, a config file and flags; run it.
+
+Precedence, lowest first: the default job, ``--config`` (DeepSpeed JSON/YAML: engine
+keys go to the engine, ``model``/``data``/``job`` sections go to the job), the named
+flags, then dotted overrides (``--model.n_layer 8``, ``--job.eval_interval 50``,
+``--zero_optimization.stage 2``, ``--optimizer.params.lr 1e-3``). With more than one
+process and no torch.distributed environment, the command prepares the data once
+and re-executes itself under ``python -m torch.distributed.run --standalone``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from zeal.cli.overrides import UsageError, load_mapping, parse_dotted, set_path
+
+JOB_SECTIONS = ("model", "data", "job")
+
+EXAMPLES = """examples:
+  zeal train                                   the default job (GPT from scratch, 2 processes, ZeRO-3)
+  zeal train --steps 100 --zero-stage 2 --nproc 4
+  zeal train --config ds_config.json --model.n_layer 8
+  zeal train --resume                          continue from the latest checkpoint in the run folder
+  zeal train --model ./SmolLM2-135M --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``zeal train``."""
+    p = subparsers.add_parser(
+        "train", help="train a model (default: small GPT from scratch, 2 processes, ZeRO-3)",
+        description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
+    p.add_argument("--config", help="job/engine config, JSON or YAML (DeepSpeed JSON accepted)")
+    p.add_argument("--nproc", type=int, help="processes (default 2)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 400)")
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
+    p.add_argument("--run-dir", help="run folder (default runs/default)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run folder")
+    p.add_argument("--model", dest="hf_model", metavar="PATH", help="fine-tune this Hugging Face folder")
+    p.add_argument("--data", metavar="FILE", help=".txt or .jsonl training text (default: Python stdlib source)")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto = bf16 where native (default)")
+    p.add_argument("--micro-batch", type=int, help="train_micro_batch_size_per_gpu (default 8)")
+    p.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps (default 1)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    p.add_argument("--seed", type=int, help="seed of data order and initialisation")
+    p.add_argument("--wall-clock-breakdown", action="store_true", help="time forward/backward/reduce/step/gather")
+    p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
+    p.set_defaults(_allow_extra=True)
+    return p
+
+
+def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
+    """The validated JobSpec for these arguments (raises UsageError / ValueError)."""
+    from zeal.config import load_config
+    from zeal.config.schema import Config
+    from zeal.train.job import JobSection, JobSpec, merge_engine_config
+
+    tree: dict[str, Any] = {"model": {}, "data": {}, "job": {}, "engine": {}}
+    if args.config:
+        for key, value in load_mapping(args.config).items():
+            if key in JOB_SECTIONS:
+                if not isinstance(value, dict):
+                    raise UsageError(f"--config: '{key}' must be a mapping")
+                tree[key].update(value)
+            elif key == "engine" and isinstance(value, dict):
+                tree["engine"].update(value)
+            else:
+                tree["engine"][key] = value
+    named = {
+        ("job", "nproc"): args.nproc, ("job", "steps"): args.steps, ("job", "run_dir"): args.run_dir,
+        ("job", "hf_model"): args.hf_model, ("data", "path"): args.data, ("job", "precision"): args.precision,
+        ("job", "lr"): args.lr, ("data", "seed"): args.seed,
+        ("engine", "zero_optimization", "stage"): args.zero_stage,
+        ("engine", "train_micro_batch_size_per_gpu"): args.micro_batch,
+        ("engine", "gradient_accumulation_steps"): args.grad_accum,
+        ("engine", "seed"): args.seed,
+    }
+    for path, value in named.items():
+        if value is not None:
+            set_path(tree, list(path), value)
+    if args.resume:
+        tree["job"]["resume"] = True
+    if args.wall_clock_breakdown:
+        tree["engine"]["wall_clock_breakdown"] = True
+    engine_keys = set(Config.model_fields)
+    for path, value in parse_dotted(extra):
+        if path[0] in JOB_SECTIONS or path[0] == "engine":
+            if len(path) < 2:
+                raise UsageError(f"--{path[0]} needs a key, e.g. --{path[0]}.{_example_key(path[0])}")
+            set_path(tree, path, value)
+        elif path[0] in engine_keys:
+            set_path(tree["engine"], path, value)
+        else:
+            raise UsageError(f"unknown flag --{'.'.join(path)} (see zeal train --help; dotted flags start "
+                             f"with model., data., job. or an engine config key)")
+    if tree["job"].get("hf_model") and not tree["data"].get("path"):
+        raise UsageError("--model PATH (fine-tuning) needs --data FILE")
+    if tree["job"].get("hf_model") and tree["model"]:
+        raise UsageError("--model.* shape flags do not apply when fine-tuning a Hugging Face folder")
+    try:
+        job = JobSection.model_validate(tree["job"])
+    except ValidationError as e:
+        raise UsageError(_one_line(e, "job.")) from None
+    try:
+        spec = JobSpec.model_validate({**tree, "engine": merge_engine_config(job, tree["engine"])})
+    except ValidationError as e:
+        raise UsageError(_one_line(e)) from None
+    from zeal.train.job import check_spec, resolve_precision
+
+    check_spec(spec)
+    spec = resolve_precision(spec)
+    cfg = load_config(spec.engine)  # raises ConfigError naming the key
+    world = int(os.environ.get("WORLD_SIZE", spec.job.nproc))
+    try:
+        cfg.resolve_batch(world)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return spec
+
+
+def _example_key(section: str) -> str:
+    return {"model": "n_layer", "data": "seq_len", "job": "steps", "engine": "gradient_clipping"}[section]
+
+
+def _one_line(e: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for err in e.errors():
+        loc = prefix + ".".join(str(p) for p in err["loc"])
+        if err["type"] == "value_error":  # our own validators already name the key
+            parts.append(str(err.get("ctx", {}).get("error", err["msg"])))
+            continue
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        got = "" if err["type"] == "extra_forbidden" else f" (got {err.get('input')!r})"
+        parts.append(f"'{loc}': {msg}{got}")
+    return "; ".join(p if p.startswith(("model.", "data.", "job.")) else "bad setting " + p for p in parts)
+
+
+def in_distributed_env() -> bool:
+    """True inside a torchrun-started rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    """Run ``zeal train``."""
+    from zeal.train.job import prepare_data, read_spec, run_job, write_spec
+
+    if args.spec:
+        spec = read_spec(args.spec)
+    else:
+        spec = build_spec(args, extra or [])
+    if spec.job.nproc > 1 and not in_distributed_env():
+        return _relaunch(spec, prepare_data, write_spec)
+    run_job(spec)
+    return 0
+
+
+def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
+    from zeal.cli.launch import child_env, torchrun_argv
+
+    if spec.job.resume and not (Path(spec.job.run_dir) / "checkpoints").is_dir():
+        raise UsageError(f"--resume: no checkpoint in {Path(spec.job.run_dir) / 'checkpoints'}")
+    prepare_data(spec)  # build the tokenizer and token cache once, before the ranks start
+    path = Path(spec.job.run_dir) / "launch.json"
+    write_spec(spec, path)
+    argv = torchrun_argv(spec.job.nproc, ["zeal.cli.main", "train", "--spec", str(path)], module=True)
+    env = child_env(spec.job.nproc)
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's deprecation notices, once per rank
+    rc = subprocess.call(argv, env=env)
+    if rc != 0:
+        raise SystemExit(rc)
+    return 0

@@ -1,0 +1,1 @@
+"""Data: text corpora, tokenizers and token datasets; curriculum schedules, samplers, random-LTD."""

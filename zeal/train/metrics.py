@@ -1,0 +1,171 @@
+"""What a training job shows and records: a console progress bar, a metrics sink
+(JSONL + CSV, TensorBoard when installed) and a loss-curve PNG (matplotlib when
+installed). Only rank 0 creates these with ``enabled=True``; other ranks get
+inert objects, so the loop calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+CSV_COLUMNS = ("step", "kind", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s")
+
+
+def format_duration(seconds: float) -> str:
+    """``75.2`` → ``"1:15"``, ``3725`` → ``"1:02:05"``."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def format_rate(x: float) -> str:
+    """Tokens/s with a k/M suffix."""
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+class ProgressBar:
+    """Step, loss, tokens/s and ETA on one line. On a terminal the line redraws in
+    place; otherwise (a log file, a pipe) a line is printed every ``log_interval``
+    steps and at the end."""
+
+    def __init__(self, total: int, start: int = 0, *, enabled: bool = True, log_interval: int = 10,
+                 stream: TextIO | None = None, width: int = 24) -> None:
+        self.total, self.start, self.enabled = total, start, enabled
+        self.log_interval, self.width = log_interval, width
+        self.stream = stream or sys.stdout
+        self.tty = enabled and self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self._last = ""
+
+    def render(self, step: int, loss: float, tokens_per_s: float) -> str:
+        """The bar's text for ``step`` of ``total``."""
+        frac = step / self.total if self.total else 1.0
+        filled = int(round(frac * self.width))
+        elapsed = time.perf_counter() - self.t0
+        done = step - self.start
+        eta = elapsed / done * (self.total - step) if done > 0 else math.inf
+        bar = "#" * filled + "." * (self.width - filled)
+        return (f"step {step:>{len(str(self.total))}}/{self.total} [{bar}] loss {loss:.4f} | "
+                f"{format_rate(tokens_per_s)} tok/s | elapsed {format_duration(elapsed)} | ETA {format_duration(eta)}")
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.enabled:
+            return
+        self._last = self.render(step, loss, tokens_per_s)
+        if self.tty:
+            self.stream.write("\r" + self._last + "\x1b[K")
+            self.stream.flush()
+        elif step % self.log_interval == 0 or step == self.total:
+            print(self._last, file=self.stream, flush=True)
+
+    def write(self, line: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r\x1b[K" + line + "\n" + self._last)
+            self.stream.flush()
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class MetricsSink:
+    """Appends each record to ``metrics.jsonl`` and ``metrics.csv`` in the run folder,
+    and to TensorBoard (``<run>/tb``) when the ``tensorboard`` package is installed.
+    A record is a dict with at least ``step``, ``kind`` ("train"/"eval") and ``loss``."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool = True, append: bool = False) -> None:
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+        if not enabled:
+            return
+        run = Path(run_dir)
+        run.mkdir(parents=True, exist_ok=True)
+        mode = "a" if append else "w"
+        csv_path = run / "metrics.csv"
+        new_csv = not (append and csv_path.exists())
+        self._jsonl = open(run / "metrics.jsonl", mode)  # noqa: SIM115 - closed in close()
+        self._csv_file = open(csv_path, mode, newline="")  # noqa: SIM115
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        if new_csv:
+            self._csv.writeheader()
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run / "tb"))
+        except Exception:  # noqa: BLE001 - tensorboard is optional
+            self._tb = None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        self._csv.writerow(record)
+        self._csv_file.flush()
+        if self._tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                if isinstance(record.get(key), (int, float)):
+                    self._tb.add_scalar(f"{record['kind']}/{key}", record[key], record["step"])
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
+    """Train and held-out loss against step as a PNG; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    records = read_metrics(metrics_jsonl)
+    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
+    held = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval" and r.get("loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1)
+    if held:
+        ax.plot(*zip(*held), "o-", label="held-out", linewidth=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
