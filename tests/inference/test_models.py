@@ -44,3 +44,11 @@ def test_default_model_answers_chat():
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=12, temperature=0))
     assert "Paris" in out.text
+
+
+@pytest.mark.timeout(60)
+def test_generate_text_helper(llama_dir):
+    from zeal.inference import generate_text
+
+    out = generate_text(str(llama_dir), ["ab", "cd"], max_tokens=3, temperature=0.0, block_size=4, num_blocks=64)
+    assert len(out) == 2 and all(isinstance(t, str) and len(t) <= 3 for t in out)

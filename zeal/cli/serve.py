@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
     p.add_argument("--max-waiting", type=int, default=256, help="bounded waiting queue; beyond it: HTTP 429")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--log-level", default="info")
 
 
@@ -50,6 +51,8 @@ def build(args: argparse.Namespace):
     from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
     from zeal.inference.server import build_app
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     model, tok, eos = load_model_and_tokenizer(path, getattr(torch, DTYPES[args.dtype]), args.device)
     cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mb << 20,

@@ -1,0 +1,239 @@
+"""Serving benchmark: zeal's engine (SplitFuse, paged KV) beside Hugging Face ``generate``.
+
+Workload (FastGen-style): N requests, prompt lengths uniform in [min, max] tokens,
+a fixed number of new tokens (EOS ignored), arriving all at once or as a Poisson
+stream. Figures: throughput, p50/p99 time to first token (TTFT), p50/p99 time per
+output token (TPOT), and effective throughput (FastGen's SLA: TTFT <= prompt/512 s
+and the EMA, span 16, of per-token latencies always < 1/R s, R in {2, 4} tokens/s).
+Peers, measured in the same run on the all-at-once workload: HF ``generate`` one
+request at a time, and static batches of 8 with left padding.
+
+    python bench/inference/bench_serving.py                 # full: 64 requests, 32-512 prompt, 128 new
+    python bench/inference/bench_serving.py --quick         # a small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from zeal.inference import SamplingParams  # noqa: E402
+from zeal.inference.engine import EngineConfig, LLMEngine  # noqa: E402
+from zeal.inference.llm import load_model_and_tokenizer  # noqa: E402
+
+
+@dataclass
+class Trace:
+    """Client-side timings of one request."""
+
+    prompt_len: int
+    arrival: float
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        t = self.token_times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+
+    def meets_sla(self, rate: float) -> bool:
+        if self.ttft > self.prompt_len / 512:
+            return False
+        ema, alpha = None, 2 / 17
+        for a, b in zip(self.token_times, self.token_times[1:]):
+            lat = b - a
+            ema = lat if ema is None else alpha * lat + (1 - alpha) * ema
+            if ema >= 1 / rate:
+                return False
+        return True
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def summarize(name: str, traces: list[Trace]) -> dict:
+    start = min(t.arrival for t in traces)
+    end = max(t.token_times[-1] for t in traces)
+    toks = sum(len(t.token_times) for t in traces)
+    rps = len(traces) / (end - start)
+    out = {
+        "system": name, "requests": len(traces), "wall_s": end - start, "tok_per_s": toks / (end - start),
+        "req_per_s": rps,
+        "ttft_p50_s": pct([t.ttft for t in traces], 50), "ttft_p99_s": pct([t.ttft for t in traces], 99),
+        "tpot_p50_ms": 1e3 * pct([t.tpot for t in traces], 50), "tpot_p99_ms": 1e3 * pct([t.tpot for t in traces], 99),
+    }
+    for r in (2, 4):
+        ok = sum(t.meets_sla(r) for t in traces)
+        out[f"eff_req_per_s_R{r}"] = rps * ok / len(traces)
+    return out
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_zeal(model, prompts, new_tokens, arrivals, budget, kv_mb) -> list[Trace]:
+    engine = LLMEngine(model, None, EngineConfig(block_size=16, kv_cache_bytes=kv_mb << 20,
+                                                 max_num_batched_tokens=budget, max_num_seqs=64))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    traces = [Trace(len(p), t0 + a) for p, a in zip(prompts, arrivals)]
+    order = sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    nxt, done = 0, 0
+    while done < len(prompts):
+        now = time.perf_counter()
+        while nxt < len(order) and traces[order[nxt]].arrival <= now:
+            i = order[nxt]
+            engine.add_request(str(i), prompts[i], params)
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, traces[order[nxt]].arrival - now))
+            continue
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            traces[int(o.request_id)].token_times += [now] * len(o.outputs[0].delta_token_ids)
+            done += o.finished
+    return traces
+
+
+class _Clock:
+    """A logits processor that only timestamps every decoding step of HF ``generate``."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def run_hf(hf, prompts, new_tokens, batch: int) -> list[Trace]:
+    from transformers import LogitsProcessorList
+
+    t0 = time.perf_counter()
+    traces = [Trace(len(p), t0) for p in prompts]
+    pad = 0
+    for s in range(0, len(prompts), batch):
+        group = prompts[s : s + batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        clock = _Clock()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                        do_sample=False, pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
+        for j in range(len(group)):
+            traces[s + j].token_times = list(clock.times)
+    return traces
+
+
+def gpt2_small_folder(tmp: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12, vocab_size=50257))
+    m.save_pretrained(tmp / "gpt2-small-random")
+    return tmp / "gpt2-small-random"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-min", type=int, default=32)
+    ap.add_argument("--prompt-max", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--budget", type=int, default=512, help="SplitFuse token budget per pass")
+    ap.add_argument("--kv-mb", type=int, default=1024)
+    ap.add_argument("--poisson-load", type=float, default=0.7,
+                    help="Poisson arrival rate as a fraction of the all-at-once request throughput")
+    ap.add_argument("--models", default="smollm2,gpt2-small")
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face peers")
+    ap.add_argument("--hf-sequential-requests", type=int, default=None,
+                    help="run HF one-at-a-time on only the first K requests (it is the slowest peer)")
+    ap.add_argument("--quick", action="store_true", help="8 requests, 32-128 prompt, 16 new tokens")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared machine OpenMP spinning with more collapses)")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.prompt_min, args.prompt_max, args.new_tokens = 8, 32, 128, 16
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            path = None if name == "smollm2" else gpt2_small_folder(Path(tmp))
+            model, tok, _ = load_model_and_tokenizer(path)
+            from zeal.inference.llm import resolve_model_path
+
+            vocab = model.config.vocab_size
+            prompts = workload(args.requests, args.prompt_min, args.prompt_max, vocab, seed=0)
+            print(f"\n== {name}: {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens "
+                  f"(mean {statistics.mean(map(len, prompts)):.0f}), {args.new_tokens} new tokens, "
+                  f"{torch.get_num_threads()} threads", flush=True)
+            rows = []
+            run_zeal(model, prompts[:2], 2, [0.0, 0.0], args.budget, args.kv_mb)  # warm-up
+            z = summarize("zeal all-at-once", run_zeal(model, prompts, args.new_tokens, [0.0] * len(prompts),
+                                                       args.budget, args.kv_mb))
+            rows.append(z)
+            print(json.dumps(z), flush=True)
+            rate = args.poisson_load * z["req_per_s"]
+            rng = random.Random(1)
+            t, arrivals = 0.0, []
+            for _ in prompts:
+                t += rng.expovariate(rate)
+                arrivals.append(t)
+            zp = summarize(f"zeal poisson {rate:.2f} req/s", run_zeal(model, prompts, args.new_tokens, arrivals,
+                                                                     args.budget, args.kv_mb))
+            rows.append(zp)
+            print(json.dumps(zp), flush=True)
+            if not args.no_hf:
+                hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch.float32).eval()
+                hs = summarize("HF static batch 8", run_hf(hf, prompts, args.new_tokens, 8))
+                rows.append(hs)
+                print(json.dumps(hs), flush=True)
+                k = args.hf_sequential_requests or len(prompts)
+                h1 = summarize(f"HF one at a time ({k} req)", run_hf(hf, prompts[:k], args.new_tokens, 1))
+                rows.append(h1)
+                print(json.dumps(h1), flush=True)
+                del hf
+            print(f"\n{name}: {'system':<30} {'tok/s':>8} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+                  f"{'TPOT p50':>9} {'TPOT p99':>9} {'eff R2':>7} {'eff R4':>7}")
+            for r in rows:
+                print(f"{'':<{len(name) + 1}} {r['system']:<30} {r['tok_per_s']:8.1f} {r['req_per_s']:7.3f} "
+                      f"{r['ttft_p50_s']:8.2f}s {r['ttft_p99_s']:8.2f}s {r['tpot_p50_ms']:7.0f}ms "
+                      f"{r['tpot_p99_ms']:7.0f}ms {r['eff_req_per_s_R2']:7.3f} {r['eff_req_per_s_R4']:7.3f}")
+            if not args.no_hf:
+                print(f"  zeal/static-8 throughput {z['tok_per_s'] / hs['tok_per_s']:.2f}x, "
+                      f"zeal/one-at-a-time {z['tok_per_s'] / h1['tok_per_s']:.2f}x, "
+                      f"TTFT p99 zeal {z['ttft_p99_s']:.1f}s vs static-8 {hs['ttft_p99_s']:.1f}s")
+            results.append({"model": name, "rows": rows, "args": vars(args)})
+            del model
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
