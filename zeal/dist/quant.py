@@ -97,6 +97,11 @@ class QuantizedTensor:
 # -- row-batched kernels: every row of a (R, L) tensor is quantized independently ---------
 
 
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Zero-pad the columns of a 2-D tensor to ``width`` (no copy when already that wide)."""
+    return x if x.shape[1] == width else F.pad(x, (0, width - x.shape[1]))
+
+
 def quantize_rows(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize each row of ``x`` (R, L) on its own block grid.
 
@@ -105,11 +110,11 @@ def quantize_rows(x: torch.Tensor, bits: int, block_size: int) -> tuple[torch.Te
     qmax = _check_bits(bits)
     rows, length = x.shape
     nb = _num_blocks(length, block_size)
-    xb = F.pad(x.float(), (0, nb * block_size - length)).view(rows, nb, block_size)
+    xb = _pad_cols(x.float(), nb * block_size).view(rows, nb, block_size)
     step = xb.abs().amax(dim=2) / qmax  # (R, nb)
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.round(xb / safe.unsqueeze(2)).clamp_(-qmax, qmax).to(torch.int8)
-    q = q.view(rows, nb * block_size)
+    y = xb / safe.unsqueeze(2)  # division, not a reciprocal multiply: exact on the grid
+    q = y.round_().clamp_(-qmax, qmax).to(torch.int8).view(rows, nb * block_size)
     if bits == 8:
         return q[:, :length].contiguous(), step
     even = length + (length & 1)
@@ -132,8 +137,8 @@ def dequantize_rows(data: torch.Tensor, scales: torch.Tensor, length: int, bits:
         b = data.to(torch.int16)
         nibbles = torch.stack(((b >> 4) & 0xF, b & 0xF), dim=2).view(rows, -1)
         q = (nibbles ^ 8) - 8  # sign-extend 4-bit two's complement
-    q = F.pad(q[:, :length].float(), (0, nb * block_size - length)).view(rows, nb, block_size)
-    out = (q * scales.unsqueeze(2)).view(rows, nb * block_size)[:, :length]
+    q = _pad_cols(q[:, :length].float(), nb * block_size).view(rows, nb, block_size)
+    out = q.mul_(scales.unsqueeze(2)).view(rows, nb * block_size)[:, :length]
     # step = fl(a/qmax) may round up, so qmax*step can overflow when a is within a few
     # ulps of the fp32 maximum; the true value is finite, so clamp back to it.
     out = out.clamp_(-_FMAX, _FMAX)

@@ -61,6 +61,39 @@ def test_store_round_trip_aligned_and_not(tmp_path, direct_io):
         store.read("a", out)
 
 
+def test_large_transfers_split_into_parallel_pieces(tmp_path):
+    n = 5 * 2**20 + 3  # 20 MiB + a ragged tail: two O_DIRECT pieces and a buffered tail
+    with SwapStore(tmp_path, {"big": n}, io_parallelism=4) as store:
+        x = aligned_empty(n)
+        x.copy_(torch.randn(n))
+        store.write("big", x)
+        out = aligned_empty(n)
+        store.read("big", out)
+        assert torch.equal(out, x) and store.bytes_read == 4 * n
+
+
+def test_async_ordering_per_name_and_after(tmp_path):
+    n = 1 << 18
+    with SwapStore(tmp_path, {"a": n, "b": n}) as store:
+        x, y = aligned_empty(n), aligned_empty(n)
+        x.fill_(1.0)
+        y.fill_(2.0)
+        out1, out2, out3 = aligned_empty(n), aligned_empty(n), aligned_empty(n)
+        fs = [store.write_async("a", x), store.read_async("a", out1),  # RAW on "a"
+              store.write_async("a", y), store.read_async("a", out2)]  # WAR then RAW
+        w = store.write_async("b", x)
+        fs.append(store.read_async("a", x, after=[w]))  # memory: x is refilled after "b" copied it
+        fs.append(store.read_async("b", out3))
+        for f in fs:
+            f.result()
+        assert bool((out1 == 1).all()) and bool((out2 == 2).all())
+        assert bool((out3 == 1).all()) and bool((x == 2).all())
+        failed = store.submit(lambda: 1 / 0)
+        dependent = store.read_async("a", out1, after=[failed])
+        with pytest.raises(ZeroDivisionError):
+            dependent.result()
+
+
 def test_missing_unwritable_and_not_a_dir(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"{OPTIMIZER_PATH_KEY}: '.*nope' does not exist"):
         SwapStore(tmp_path / "nope", {"a": 4})

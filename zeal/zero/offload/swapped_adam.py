@@ -8,13 +8,14 @@ fixed pool of ``buffer_count`` page-aligned buffers of one sub-group each; a
 sub-group in flight takes one buffer per swap tensor (3, or 4 with swapped grads), so
 ``slots = buffer_count // 3`` sub-groups are in flight at once:
 
-    I/O thread:  read 0 | read 1 | read 2 | write 0, read 3 | write 1, read 4 | ...
-    main thread:          update 0 |      update 1        |      update 2     | ...
+    read thread:   read 0 | read 1 | read 2 |    read 3     |    read 4     | ...
+    main thread:            update 0 |    update 1   |    update 2   | ...
+    write thread:                      |   write 0     |   write 1     | ...
 
-The read of sub-group i+slots is queued right behind the write-back of sub-group i
-from the same buffers; the single FIFO I/O thread makes that reuse safe. With one slot
-the step is sequential, with two reads overlap updates, with three or more reads,
-updates and write-backs all overlap. Bytes crossing the disk per step: read and write
+The reads of sub-group i+slots are queued with the write-back of sub-group i (same
+buffers) as their ``after`` dependency. Reads and writes run on separate threads, so
+with one slot the step is sequential, with two reads overlap updates, with three or
+more reads, updates and write-backs all overlap. Bytes crossing the disk per step: read and write
 of 12 bytes per element (plus 4 read with swapped gradients); moments of a sub-group
 that has never been updated are zero-filled instead of read.
 
@@ -35,6 +36,7 @@ from zeal.zero.offload.swap import OPTIMIZER_PATH_KEY, SwapStore, aligned_empty
 
 BUFFER_COUNT_KEY = "zero_optimization.offload_optimizer.buffer_count"
 STATES = ("param", "exp_avg", "exp_avg_sq")
+_NAMES = (*STATES, "grad")  # buffer j of a slot holds _NAMES[j]
 
 
 @dataclass
@@ -69,7 +71,7 @@ class SwappedAdam:
 
     def __init__(self, numel: int, optimizer: CPUAdam, nvme_path: str, *, sub_group_size: int = 10**8,
                  buffer_count: int = 9, swap_grads: bool = False, direct_io: bool = True,
-                 config_key: str = OPTIMIZER_PATH_KEY) -> None:
+                 io_parallelism: int = 4, config_key: str = OPTIMIZER_PATH_KEY) -> None:
         self.numel = numel
         self.optimizer = optimizer
         self.ranges = sub_group_ranges(numel, sub_group_size)
@@ -82,7 +84,8 @@ class SwappedAdam:
         self.slots = max(1, min(buffer_count // self.per_slot, len(self.ranges)))
         self.steps = [0] * len(self.ranges)
         sizes = {f"{s}.{i}": hi - lo for i, (lo, hi) in enumerate(self.ranges) for s in names}
-        self.store = SwapStore(nvme_path, sizes, direct_io=direct_io, config_key=config_key)
+        self.store = SwapStore(nvme_path, sizes, direct_io=direct_io, io_parallelism=io_parallelism,
+                               config_key=config_key)
         buf_numel = max((hi - lo for lo, hi in self.ranges), default=0)
         self._buffers = [[aligned_empty(buf_numel) for _ in names] for _ in range(self.slots)]
 
@@ -133,25 +136,22 @@ class SwappedAdam:
 
     # -- the step ----------------------------------------------------------------------
 
-    def _load(self, i: int) -> None:
-        """I/O thread: bring sub-group i into its slot."""
+    def _views(self, i: int) -> list[torch.Tensor]:
         n = self.ranges[i][1] - self.ranges[i][0]
-        bufs = self._buffers[i % self.slots]
-        self.store.transfer(f"param.{i}", bufs[0][:n], 0, False)
-        for j, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
-            if self.steps[i] > 0:
-                self.store.transfer(f"{name}.{i}", bufs[j][:n], 0, False)
-            else:
-                bufs[j][:n].zero_()
-        if self.swap_grads:
-            self.store.transfer(f"grad.{i}", bufs[3][:n], 0, False)
+        return [b[:n] for b in self._buffers[i % self.slots]]
 
-    def _save(self, i: int) -> None:
-        """I/O thread: write sub-group i's master and moments back."""
-        n = self.ranges[i][1] - self.ranges[i][0]
-        bufs = self._buffers[i % self.slots]
-        for j, name in enumerate(STATES):
-            self.store.transfer(f"{name}.{i}", bufs[j][:n], 0, True)
+    def _load(self, i: int, after: list[Future]) -> list[Future]:
+        """Queue the reads of sub-group i into its slot, once the slot's last write-back is done."""
+        views = self._views(i)
+        slots = [0] + ([1, 2] if self.steps[i] > 0 else []) + ([3] if self.swap_grads else [])
+        futures = [self.store.read_async(f"{_NAMES[j]}.{i}", views[j], 0, after) for j in slots]
+        if self.steps[i] == 0:  # never updated: zero moments instead of reading them
+            futures.append(self.store.submit(lambda: (views[1].zero_(), views[2].zero_()), after=after))
+        return futures
+
+    def _save(self, i: int) -> list[Future]:
+        views = self._views(i)
+        return [self.store.write_async(f"{name}.{i}", views[j]) for j, name in enumerate(STATES)]
 
     def step(self, grads: torch.Tensor | None = None,
              on_update: Callable[[int, torch.Tensor], None] | None = None,
@@ -173,18 +173,16 @@ class SwappedAdam:
         t_start = time.perf_counter()
         read0, written0 = self.store.bytes_read, self.store.bytes_written
         io_wait = compute = 0.0
-        pending: dict[int, Future] = {i: self.store.submit(self._load, i)
-                                      for i in range(min(self.slots, len(self.ranges)))}
-        writes: list[Future] = []
+        pending = {i: self._load(i, []) for i in range(min(self.slots, len(self.ranges)))}
+        writes: list[list[Future]] = []
         try:
             for i, (lo, hi) in enumerate(self.ranges):
                 t0 = time.perf_counter()
-                pending.pop(i).result()
+                for f in pending.pop(i):
+                    f.result()
                 t1 = time.perf_counter()
-                n = hi - lo
-                bufs = self._buffers[i % self.slots]
-                param, exp_avg, exp_avg_sq = (b[:n] for b in bufs[:3])
-                grad = bufs[3][:n] if grads is None else grads[lo:hi].float()
+                param, exp_avg, exp_avg_sq, *swapped = self._views(i)
+                grad = swapped[0] if self.swap_grads else grads[lo:hi].float()
                 state = AdamState(exp_avg, exp_avg_sq, self.steps[i])
                 self.optimizer.update(param, grad, state, lr)
                 self.steps[i] = state.step
@@ -192,15 +190,15 @@ class SwappedAdam:
                     on_update(lo, param)
                 io_wait += t1 - t0
                 compute += time.perf_counter() - t1
-                writes.append(self.store.submit(self._save, i))
-                if i + self.slots < len(self.ranges):
-                    pending[i + self.slots] = self.store.submit(self._load, i + self.slots)
+                writes.append(self._save(i))
+                if i + self.slots < len(self.ranges):  # reuse this slot once its write-back is done
+                    pending[i + self.slots] = self._load(i + self.slots, writes[-1])
             t0 = time.perf_counter()
-            for w in writes:
-                w.result()
+            for f in (f for group in writes for f in group):
+                f.result()
             io_wait += time.perf_counter() - t0
         finally:  # never leave I/O running into buffers the next call will reuse
-            for f in [*pending.values(), *writes]:
+            for f in [*(f for g in pending.values() for f in g), *(f for g in writes for f in g)]:
                 f.exception()
         return SwapStepStats(time.perf_counter() - t_start, io_wait, compute,
                              self.store.bytes_read - read0, self.store.bytes_written - written0,
