@@ -58,7 +58,7 @@ def test_harmless_deepspeed_keys_are_accepted():
     cfg = load_config({"zero_allow_untested_optimizer": True, "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
                        "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}})
     assert cfg.optimizer.type == "AdamW"  # DeepSpeed's Adam is decoupled unless adam_w_mode is false
-    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+    assert cfg.zero_optimization.reduce_bucket_size == 5_000_000
     assert load_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer.type == "Adam"
 
 

@@ -19,7 +19,12 @@ def _meta_build(rank, world):
                                                                       "stage3_param_persistence_threshold": 0}})
     mem = engine.memory_breakdown()
     assert mem["gathered_now"] == 0
-    return engine.module_state_dict(), mem
+    state = engine.module_state_dict()
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):  # a model built from meta trains
+        engine.backward(engine(x, labels=x))
+        engine.step()
+    return state, mem
 
 
 @pytest.mark.timeout(120)

@@ -65,7 +65,11 @@ class OffloadParamConfig(Section):
 
 class ZeroConfig(Section):
     stage: int = Field(0, ge=0, le=3, description="0 = data parallel, 1 = optimizer state, 2 = +gradients, 3 = +parameters partitioned.")
-    reduce_bucket_size: int = Field(500_000_000, ge=1, description="Elements per gradient reduction bucket.")
+    reduce_bucket_size: int = Field(
+        5_000_000, ge=1,
+        description="Elements per gradient bucket (stages 0–2 group parameters into buckets of this size, so "
+        "reductions overlap backward; also the bound on gradient elements in flight). DeepSpeed's default is 5e8.",
+    )
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="Elements per parameter all-gather bucket.")
     overlap_comm: bool = Field(True, description="Launch gradient reductions during backward.")
     contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous buffers (always on).")

@@ -38,6 +38,7 @@ from zeal.zero.units import (
     build_module_units,
     default_init_fn,
     materialize_unit,
+    replace_meta_parameters,
 )
 
 log = logging.getLogger("zeal")
@@ -95,6 +96,7 @@ def initialize(
                               else p.data.to(device=ctx.device, dtype=dtype))
             units = build_bucket_units(model, groups, zc.reduce_bucket_size, ctx.rank, ctx.world_size,
                                        dtype, ctx.device)
+            replace_meta_parameters(model, units)
             if any(u.needs_init for u in units):
                 _materialize_all(model, units, init, cfg.seed)
             for u in units:
@@ -104,6 +106,7 @@ def initialize(
                     comm.broadcast(p.data, 0, "init")
         else:
             units, needs = build_module_units(model, group_of, ctx.rank, ctx.world_size, dtype, ctx.device)
+            replace_meta_parameters(model, units)
             owners = _unit_owners(needs)
             for u in units:
                 if u.needs_init:

@@ -41,10 +41,16 @@ class FlatUnit:
         self.persistent = False  # ZeRO-3: kept gathered (small units)
         self.full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.needs_init = any(p.is_meta for p in self.params)
-        for slot, p in zip(self.slots, self.params):
+        self.replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised successor
+        for i, (slot, p) in enumerate(zip(self.slots, self.params)):
             view = self.full[slot.offset:slot.end].view(slot.shape)
-            if p.is_meta:  # a device change: swap the tensor behind the same Parameter object
-                torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+            if p.is_meta:  # a meta tensor cannot take real data: a new Parameter replaces it
+                # Built empty and then pointed at the view (as for real parameters below), so
+                # that the parameter keeps a version counter of its own: gathers write into
+                # ``full`` while autograd holds the parameter for backward.
+                fresh = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
+                fresh.data = view
+                self.params[i] = self.replaced[id(p)] = fresh
             else:
                 view.copy_(p.detach())
                 p.data = view
@@ -75,6 +81,18 @@ class FlatUnit:
 
     def __repr__(self) -> str:
         return f"FlatUnit({self.index}, params={len(self.params)}, numel={self.numel}, padded={self.padded})"
+
+
+def replace_meta_parameters(model: nn.Module, units: list[FlatUnit]) -> None:
+    """Put each unit's materialised parameters into every module that registered the
+    meta original (tied parameters are registered by several modules)."""
+    new = {k: v for u in units for k, v in u.replaced.items()}
+    if not new:
+        return
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in new:
+                mod._parameters[name] = new[id(p)]
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
