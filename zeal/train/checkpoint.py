@@ -276,7 +276,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             root.mkdir(parents=True, exist_ok=True)
             if (root / tag).exists():
                 raise CheckpointError(f"{root / tag} already exists; choose another tag or delete it")
-            cio.remove_tree(tmp)
+            cio.remove_stale(root)
             tmp.mkdir()
         except (OSError, CheckpointError) as e:
             err = str(e)
@@ -331,6 +331,9 @@ class _Pieces:
                 keys = list(r.keys())
             except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
                 raise CheckpointCorruptError(f"{folder / f}: not a readable safetensors shard ({e})") from None
+            if md.get("rank") != len(self.readers) or md.get("world_size") != len(files):
+                raise CheckpointCorruptError(f"{folder / f}: holds the shard of rank {md.get('rank')} of "
+                                             f"{md.get('world_size')}, expected rank {len(self.readers)} of {len(files)}")
             self.readers.append(r)
             self.meta.append(md)
             self.scalars.update(md.get("scalars", {}))
@@ -383,6 +386,16 @@ def _verify(folder: Path, rank: int, world: int) -> dict:
 MANIFEST_NAME = cio.MANIFEST
 
 
+def _read_meta(folder: Path) -> dict:
+    try:
+        meta = json.loads((folder / META).read_bytes())
+        for key in ("files", "params", "buffers", "optimizer", "global_steps"):
+            meta[key]
+        return meta
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{folder / META}: unreadable ({type(e).__name__}: {e})") from None
+
+
 def _check_model(meta: dict, engine: Any) -> None:
     want = {n: list(q.shape) for n, q in engine.module.named_parameters()}
     have = {n: v["shape"] for n, v in meta["params"].items()}
@@ -396,9 +409,9 @@ def _check_model(meta: dict, engine: Any) -> None:
                                     ", ".join(f"{n}: saved {have[n]} vs model {want[n]}" for n in diff[:5])] if s))
 
 
-def _read_into_engine(engine: Any, folder: Path, meta: dict, with_optim: bool) -> tuple[_Pieces, dict | None]:
-    """Phase without collectives: fill masters, shards, frozen params, buffers, optimizer state."""
-    pieces = _Pieces(folder, meta["files"])
+def _read_into_engine(engine: Any, pieces: _Pieces, meta: dict, with_optim: bool) -> dict | None:
+    """Phase without collectives: fill masters, shards, frozen params, buffers, optimizer state;
+    returns this rank's saved RNG state (None when the saving job had fewer ranks)."""
     opt = engine.optimizer
     with torch.no_grad():
         for u, src, base, m in _unit_sources(engine):
@@ -428,8 +441,7 @@ def _read_into_engine(engine: Any, folder: Path, meta: dict, with_optim: bool) -
         for n, b in _buffers(engine.module):
             if n in meta["buffers"]:
                 b.copy_(pieces.whole(f"buffer/{n}"))
-    rng = next((md["rng"] for md in pieces.meta if md.get("rank") == engine.rank), None)
-    return pieces, rng
+    return next((md["rng"] for md in pieces.meta if md.get("rank") == engine.rank), None)
 
 
 def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
@@ -443,13 +455,14 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_stat
     root = Path(load_dir)
     candidates = cio.resolve_tags(root, tag)
     fallback = tag is None and engine.config.checkpoint.fallback_to_previous
-    meta = None
+    meta = pieces = None
     for i, t in enumerate(candidates):
         err = None
         try:
             _verify(root / t, rank, world)
-            meta = json.loads((root / t / META).read_text())
+            meta = _read_meta(root / t)
             _check_model(meta, engine)
+            pieces = _Pieces(root / t, meta["files"])
         except CheckpointError as e:
             err = str(e)
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -463,9 +476,9 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_stat
         log.warning("checkpoint %s is unusable (%s); falling back to %s", t, err, candidates[i + 1])
     folder = root / tag
     with_optim = load_optimizer_states and not load_module_only
-    err, pieces, rng = None, None, None
+    err, rng = None, None
     try:
-        pieces, rng = _read_into_engine(engine, folder, meta, with_optim)
+        rng = _read_into_engine(engine, pieces, meta, with_optim)
     except CheckpointError as e:
         err = str(e)
     except Exception as e:  # noqa: BLE001 - report any rank's failure on every rank

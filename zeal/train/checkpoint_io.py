@@ -30,6 +30,7 @@ FORMAT = "zeal-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
+DAMAGED = 1 << 62
 _TAG_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 DTYPES = {
@@ -208,7 +209,7 @@ def verify_file(folder: Path, name: str, manifest: dict) -> None:
 
 
 def committed_tags(root: Path) -> list[tuple[int, str]]:
-    """(seq, tag) of every folder that has a readable manifest, newest first."""
+    """(seq, tag) of every folder that has a manifest, newest first (damaged manifests first)."""
     out = []
     if not root.is_dir():
         return out
@@ -217,13 +218,13 @@ def committed_tags(root: Path) -> list[tuple[int, str]]:
             try:
                 seq = int(read_manifest(p)["seq"])
             except (CheckpointError, KeyError, TypeError, ValueError):
-                seq = -1  # damaged: still a candidate, so that loading it reports why
+                seq = DAMAGED  # never produced by a crash: tried first, so that loading it reports why
             out.append((seq, p.name))
     return sorted(out, reverse=True)
 
 
 def next_seq(root: Path) -> int:
-    return 1 + max((s for s, _ in committed_tags(root)), default=0)
+    return 1 + max((s for s, _ in committed_tags(root) if s != DAMAGED), default=0)
 
 
 def resolve_tags(root: Path, tag: str | None) -> list[str]:
@@ -257,6 +258,14 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_stale(root: Path) -> None:
+    """Delete leftovers of interrupted saves and deletions (``.<tag>.tmp``, ``.<tag>.deleting``).
+    One training job per checkpoint folder is assumed."""
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(".") and p.name.endswith((".tmp", ".deleting")):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def prune(root: Path, keep_last: int, protect: Iterable[str] = ()) -> list[str]:
