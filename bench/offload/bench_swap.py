@@ -158,7 +158,7 @@ def main() -> None:
     if dd:
         print(f"disk dd direct:                  write {dd[0] / GB:.2f} GB/s, read {dd[1] / GB:.2f} GB/s")
 
-    grads = torch.randn(numel) * 1e-3
+    grads = torch.randn(numel).mul_(1e-3)
     opt = SwappedAdam(numel, CPUAdam(lr=1e-4, weight_decay=0.01, fused=args.fused), args.path,
                       sub_group_size=sgs, buffer_count=args.buffer_count, io_parallelism=args.io_parallelism)
     chunk = aligned_empty(sgs)

@@ -125,12 +125,18 @@ def test_files_removed_on_gc_and_stale_folders(tmp_path):
     del store
     gc.collect()
     assert not os.path.exists(folder)
-    # a folder left by a killed process (pid that does not exist) is removed at start-up
-    stale = tmp_path / f"zeal-swap-{swap_mod.socket.gethostname()}-999999999-abc"
+    # a folder left by a killed process (its lock is free) is removed at start-up;
+    # a live store's folder (locked) and folders without a lock file are left alone
+    stale = tmp_path / "zeal-swap-999999999-abc"
     stale.mkdir()
+    (stale / ".lock").write_bytes(b"")
     (stale / "param.0.bin").write_bytes(b"1234")
-    with SwapStore(tmp_path, {"a": 1}):
-        assert not stale.exists()
+    unlocked = tmp_path / "zeal-swap-being-created"
+    unlocked.mkdir()
+    with SwapStore(tmp_path, {"a": 1}) as live:
+        assert not stale.exists() and unlocked.exists()
+        with SwapStore(tmp_path, {"b": 1}):
+            assert os.path.exists(os.path.join(live.folder, "a.bin"))
 
 
 def test_sub_group_ranges():

@@ -20,10 +20,10 @@ tail, unaligned memory, and file systems without ``O_DIRECT`` (tmpfs) use buffer
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import weakref
@@ -38,6 +38,7 @@ PARAM_PATH_KEY = "zero_optimization.offload_param.nvme_path"
 ALIGN = 4096
 _MAX_IO = 1 << 30  # bytes per syscall (Linux caps one call just under 2 GiB)
 _MIN_PIECE = 8 << 20  # a transfer is split into parallel pieces of at least this size
+_PREFIX = "zeal-swap-"
 
 
 def aligned_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -73,20 +74,24 @@ def check_swap_path(path: str | os.PathLike, need_bytes: int, config_key: str = 
 
 
 def _remove_stale(path: str) -> None:
-    """Remove swap folders left on this host by processes that no longer exist (SIGKILL)."""
-    prefix = f"zeal-swap-{socket.gethostname()}-"
+    """Remove swap folders whose owner is gone (e.g. killed by SIGKILL). Each live store
+    holds an exclusive ``flock`` on its folder's ``.lock``; the kernel drops it when the
+    owner dies, whatever its pid namespace, so a lock we can take marks a dead store."""
     for entry in os.listdir(path):
-        if not entry.startswith(prefix):
-            continue
-        pid = entry[len(prefix):].split("-", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        folder = os.path.join(path, entry)
+        if not entry.startswith(_PREFIX) or not os.path.isdir(folder):
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
-        except PermissionError:
-            pass
+            fd = os.open(os.path.join(folder, ".lock"), os.O_RDONLY)
+        except OSError:  # no lock file (yet): leave it alone
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held by a live store
+        finally:
+            os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _cleanup(folder: str, fds: list[int], pools: list[ThreadPoolExecutor]) -> None:
@@ -124,11 +129,12 @@ class SwapStore:
         check_swap_path(nvme_path, self.nbytes, config_key)
         _remove_stale(nvme_path)
         try:
-            self.folder = tempfile.mkdtemp(prefix=f"zeal-swap-{socket.gethostname()}-{os.getpid()}-",
-                                           dir=nvme_path)
+            self.folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=nvme_path)
+            lock = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ValueError(f"{config_key}: '{nvme_path}' is not writable ({exc})") from exc
-        self._fds: list[int] = []
+        fcntl.flock(lock, fcntl.LOCK_EX)  # marks the folder live until the fd is closed
+        self._fds: list[int] = [lock]
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeal-swap-read")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeal-swap-write")
         # large O_DIRECT transfers are cut into pieces issued at once (queue depth):
