@@ -28,7 +28,9 @@ def test_fetch_prefetch_release_within_buffer_count(tmp_path):
             assert not ps.prefetch("layer5.weight") or ps.is_resident("layer5.weight")
             assert torch.equal(w, data[name])
             ps.release(name)
-        assert ps.max_in_use == 2 and len(ps._buffers) == 2 and ps.num_in_use == 0
+        assert ps.max_in_use == 2 and ps.num_in_use == 0
+        assert ps.cpu_bytes == 2 * 2 * max(sizes.values())  # bf16 buffers, sized to the largest shard
+        assert ps.disk_bytes == 2 * sum(sizes.values())
         # all buffers held: fetch fails with the config key, prefetch declines
         ps.fetch(names[0])
         ps.fetch(names[1])

@@ -191,6 +191,8 @@ def test_swapped_step_equals_in_memory(tmp_path, sub_group_size, buffer_count, s
         assert torch.equal(master, ref[-1])
         assert opt.steps == [steps] * len(opt.ranges)
         assert opt.slots == min(buffer_count // (4 if swap_grads else 3), len(opt.ranges))
+        assert opt.cpu_bytes == opt.slots * opt.per_slot * 4 * min(sub_group_size, N)
+        assert opt.disk_bytes == opt.per_slot * 4 * N
         folder = opt.store.folder
     assert not os.path.exists(folder)
 

@@ -51,6 +51,15 @@ class ParamSwapper:
     def num_in_use(self) -> int:
         return len(self._resident)
 
+    @property
+    def cpu_bytes(self) -> int:
+        """Host memory held by the buffers allocated so far (at most ``buffer_count``)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.store.nbytes
+
     def is_resident(self, name: str) -> bool:
         return name in self._resident
 

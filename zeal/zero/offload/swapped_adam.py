@@ -89,6 +89,16 @@ class SwappedAdam:
         buf_numel = max((hi - lo for lo, hi in self.ranges), default=0)
         self._buffers = [[aligned_empty(buf_numel) for _ in names] for _ in range(self.slots)]
 
+    @property
+    def cpu_bytes(self) -> int:
+        """Host memory held: the buffer pool (allocated once at construction)."""
+        return sum(b.numel() * b.element_size() for slot in self._buffers for b in slot)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of swap files on disk."""
+        return self.store.nbytes
+
     # -- streaming access for initialisation and checkpoints --------------------------
 
     def _split(self, offset: int, n: int) -> Iterator[tuple[int, int, slice]]:
