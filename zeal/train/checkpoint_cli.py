@@ -1,0 +1,44 @@
+"""``zeal checkpoint export | inspect``: the implementations ``zeal/cli/checkpoint.py`` finds."""
+
+from __future__ import annotations
+
+import argparse
+
+from zeal.train.checkpoint_export import export_hf, inspect_checkpoint
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def export(args: argparse.Namespace) -> int:
+    """Write a Hugging Face folder from a checkpoint; prints what was written."""
+    s = export_hf(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+    print(f"exported {s['checkpoint']} -> {s['out']}: {s['tensors']} tensors, {_size(s['bytes'])} "
+          f"({s['dtype']}) in {', '.join(s['files'])} + config.json")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """Print step, world size, stage, tensors and sizes; exit 1 when a checksum fails."""
+    info = inspect_checkpoint(args.checkpoint, tag=args.tag)
+    print(f"checkpoint {info['path']}")
+    print(f"  tag {info['tag']} (commit #{info['seq']}), step {info['global_steps']}, world size "
+          f"{info['world_size']}, ZeRO stage {info['zero_stage']}")
+    if "parameters" in info:
+        print(f"  model {info['model_class']}, {info['parameters']:,} parameters, compute {info['compute_dtype']}, "
+              f"optimizer {info['optimizer']} ({', '.join(info['optimizer_state']) or 'no state'}), "
+              f"{info['skipped_steps']} skipped steps, {info['global_samples']} samples")
+        for name, t in info["tensors"].items():
+            print(f"    {name:<48} {str(tuple(t['shape'])):<20} {'trainable' if t['trainable'] else 'frozen'}")
+        for name, shape in info["buffers"].items():
+            print(f"    {name:<48} {str(tuple(shape)):<20} buffer")
+    for name, f in info["files"].items():
+        status = "ok" if f["ok"] else f"FAILED: {f['error']}"
+        print(f"  {name:<28} {_size(f['bytes']):>10}  sha256 {status}")
+    print("  checksums verified" if info["verified"] else "  CHECKSUM VERIFICATION FAILED")
+    return 0 if info["verified"] else 1

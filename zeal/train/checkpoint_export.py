@@ -1,0 +1,177 @@
+"""Export a zeal checkpoint to a Hugging Face folder, and inspect a checkpoint.
+
+Export streams tensor by tensor: each parameter is assembled from the per-rank
+pieces (``safe_open(...).get_slice``), converted and written before the next one is
+read, so peak memory is a few times the largest single tensor, never the model.
+zeal's GPT (``zeal.models.gpt.GPT``) becomes a ``GPT2LMHeadModel`` folder (HF GPT-2
+stores the attention/MLP projections as ``Conv1D``, the transpose of ``nn.Linear``;
+the tied LM head is left to ``tie_word_embeddings``); a Hugging Face model trained
+under zeal keeps its own names and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zeal.train import checkpoint_io as cio
+from zeal.train.checkpoint import META, _Pieces, _read_meta
+from zeal.train.checkpoint_io import CheckpointError, TensorSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ZEAL_GPT = "zeal.models.gpt.GPT"
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def find_checkpoint(path: str | Path, tag: str | None = None) -> Path:
+    """A tag folder from a tag folder, a checkpoints folder or a run folder (``checkpoints/``)."""
+    p = Path(path)
+    if (p / cio.MANIFEST).is_file() and tag is None:
+        return p
+    if not (p / cio.LATEST).exists() and (p / "checkpoints").is_dir():
+        p = p / "checkpoints"
+    return p / cio.resolve_tags(p, tag)[0]
+
+
+def open_verified(folder: Path) -> tuple[dict, dict, _Pieces]:
+    """Manifest, meta and piece index of a tag folder, after checking every file's SHA-256."""
+    manifest = cio.read_manifest(folder)
+    for name in sorted(manifest["files"]):
+        cio.verify_file(folder, name, manifest)
+    meta = _read_meta(folder)
+    return manifest, meta, _Pieces(folder, meta["files"])
+
+
+def _hf_gpt2_config(cfg: dict) -> dict:
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg["vocab_size"],
+        "n_positions": cfg["n_positions"], "n_ctx": cfg["n_positions"], "n_embd": cfg["n_embd"],
+        "n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_inner": None,
+        "activation_function": "gelu_new", "layer_norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
+        "resid_pdrop": cfg.get("dropout", 0.0), "embd_pdrop": cfg.get("dropout", 0.0),
+        "attn_pdrop": cfg.get("dropout", 0.0), "initializer_range": 0.02, "scale_attn_weights": True,
+        "tie_word_embeddings": True, "use_cache": True,
+    }
+
+
+def _plan(meta: dict) -> tuple[list[tuple[str, str, str, bool]], dict]:
+    """[(output name, kind, saved name, transpose)] and the config.json to write."""
+    model = meta.get("model") or {}
+    cls, cfg = model.get("class"), model.get("config")
+    gpt = cls == ZEAL_GPT
+    out = []
+    for key, (kind, src) in meta["state_dict_keys"].items():
+        if kind == "param" and key != src:
+            continue  # tied alias of a parameter written under its first name
+        out.append((key, kind, src, gpt and key.endswith(_CONV1D)))
+    if gpt:
+        config = _hf_gpt2_config(cfg or {})
+    elif cfg is not None:
+        config = dict(cfg)
+        if not config.get("architectures"):
+            config["architectures"] = [cls.rsplit(".", 1)[-1]]
+    else:
+        config = {"zeal_model_class": cls}
+    return out, config
+
+
+def _producer(pieces: _Pieces, meta: dict, kind: str, src: str, transpose: bool, dtype: torch.dtype):
+    def produce() -> torch.Tensor:
+        if kind == "buffer":
+            t = pieces.whole(f"buffer/{src}")
+        else:
+            shape = meta["params"][src]["shape"]
+            n = 1
+            for d in shape:
+                n *= d
+            t = torch.empty(n, dtype=torch.float32)
+            pieces.read(f"param/{src}", 0, n, t)
+            t = t.view(shape)
+        if transpose:
+            t = t.t()
+        return t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
+
+    return produce
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, dtype: str = "fp32",
+              max_shard_bytes: int = 5 * 1024**3) -> dict[str, Any]:
+    """Write ``out/config.json`` and ``out/model.safetensors`` (or shards plus
+    ``model.safetensors.index.json`` above ``max_shard_bytes``) in ``dtype``
+    (fp32/bf16/fp16); returns a summary. The checkpoint is verified first."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    folder = find_checkpoint(checkpoint, tag)
+    _, meta, pieces = open_verified(folder)
+    plan, config = _plan(meta)
+    tdt = DTYPES[dtype]
+    specs = []
+    for name, kind, src, transpose in plan:
+        entry = meta["buffers"][src] if kind == "buffer" else meta["params"][src]
+        shape = tuple(entry["shape"])
+        stored = getattr(torch, entry["dtype"]) if kind == "buffer" else torch.float32
+        st = tdt if stored.is_floating_point else stored
+        specs.append(TensorSpec(name, st, shape[::-1] if transpose else shape,
+                                _producer(pieces, meta, kind, src, transpose, tdt)))
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if shards[-1] and size + s.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(s)
+        size += s.nbytes
+    dest = Path(out)
+    dest.mkdir(parents=True, exist_ok=True)
+    config["torch_dtype"] = str(tdt).removeprefix("torch.")
+    cio.write_json(dest / "config.json", config)
+    files = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for fname, group in zip(files, shards):
+        cio.write_safetensors(dest / fname, group, {"format": "pt"})
+    if len(shards) > 1:
+        cio.write_json(dest / "model.safetensors.index.json", {
+            "metadata": {"total_size": sum(s.nbytes for s in specs)},
+            "weight_map": {s.name: f for f, g in zip(files, shards) for s in g}})
+    return {"checkpoint": str(folder), "out": str(dest), "files": files, "tensors": len(specs),
+            "bytes": sum(s.nbytes for s in specs), "dtype": dtype}
+
+
+def inspect_checkpoint(checkpoint: str | Path, tag: str | None = None) -> dict[str, Any]:
+    """What a checkpoint holds, with every file's checksum verified (``ok`` per file)."""
+    folder = find_checkpoint(checkpoint, tag)
+    manifest = cio.read_manifest(folder)
+    files = {}
+    for name, entry in sorted(manifest["files"].items()):
+        try:
+            cio.verify_file(folder, name, manifest)
+            files[name] = {"bytes": entry["bytes"], "ok": True}
+        except CheckpointError as e:
+            files[name] = {"bytes": entry["bytes"], "ok": False, "error": str(e)}
+    info: dict[str, Any] = {"path": str(folder), "tag": manifest["tag"], "seq": manifest["seq"],
+                            "world_size": manifest["world_size"], "zero_stage": manifest["zero_stage"],
+                            "global_steps": manifest["global_steps"], "files": files,
+                            "verified": all(f["ok"] for f in files.values())}
+    if files.get(META, {}).get("ok"):
+        meta = json.loads((folder / META).read_text())
+        params = meta["params"]
+        info.update({
+            "model_class": (meta.get("model") or {}).get("class"), "compute_dtype": meta["compute_dtype"],
+            "micro_steps": meta["micro_steps"], "global_samples": meta["global_samples"],
+            "skipped_steps": meta["skipped_steps"], "optimizer": meta["optimizer"]["class"],
+            "optimizer_state": meta["optimizer"]["state_keys"],
+            "parameters": sum(_numel(v["shape"]) for v in params.values()),
+            "tensors": {n: {"shape": v["shape"], "trainable": v["trainable"]} for n, v in params.items()},
+            "buffers": {n: v["shape"] for n, v in meta["buffers"].items()},
+        })
+    return info
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
