@@ -45,7 +45,7 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "zeal.cli.main", "train", "--zero-stage", str(stage), "--nproc",
                str(args.nproc), "--steps", str(args.steps), "--precision", args.precision, "--run-dir",
                str(run_dir), "--job.sample_tokens", "0", "--job.eval_interval", "0", "--job.eval_batches", "1",
-               "--job.save_interval", "0", "--job.log_interval", str(max(1, args.steps)), *extra]
+               "--job.checkpoint", "false", "--job.log_interval", str(max(1, args.steps)), *extra]
         print(f"bench: stage {stage} ...", flush=True)
         rc = subprocess.call(cmd, stdout=subprocess.DEVNULL)
         if rc != 0:

@@ -23,6 +23,7 @@ import math
 import os
 import resource
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -196,8 +197,10 @@ def prepare_data(spec: JobSpec) -> tuple[Any, Any]:
     return tokenizer, TokenBlocks.split(ids, d.seq_len, d.heldout_fraction, d.seed)
 
 
-def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module:
-    """A fresh zeal GPT of the spec's shape, or the Hugging Face model to fine-tune."""
+def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module | Callable[[], torch.nn.Module]:
+    """The Hugging Face model to fine-tune, or a factory of the fresh zeal GPT: the
+    engine calls it on the meta device and materialises the parameters shard by
+    shard, so under ZeRO-3 no rank ever holds the whole model."""
     if spec.job.hf_model:
         try:
             from transformers import AutoModelForCausalLM
@@ -209,8 +212,9 @@ def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module:
     from zeal.models import GPT, GPTConfig
 
     m = spec.model
-    return GPT(GPTConfig(vocab_size=vocab_size, n_positions=spec.data.seq_len, n_embd=m.n_embd,
-                         n_layer=m.n_layer, n_head=m.n_head, dropout=m.dropout))
+    cfg = GPTConfig(vocab_size=vocab_size, n_positions=spec.data.seq_len, n_embd=m.n_embd, n_layer=m.n_layer,
+                    n_head=m.n_head, dropout=m.dropout)
+    return lambda: GPT(cfg)
 
 
 # ----------------------------------------------------------------------------------- loop
@@ -329,7 +333,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
         tokens_done = int(state.get("tokens", 0))
         elapsed_before = float(state.get("elapsed_s", 0.0))
 
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = _num_params(engine.module)
     from zeal.data.text_dataset import BlockSampler
 
     sampler = BlockSampler(len(blocks.train_index), micro, accum, world, spec.data.seed)
@@ -418,8 +422,15 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     return summary
 
 
+def _num_params(module: torch.nn.Module) -> int:
+    cfg = getattr(module, "config", None)
+    if hasattr(cfg, "num_parameters"):  # a zeal GPT: its shards are not full-size tensors
+        return int(cfg.num_parameters())
+    return sum(p.numel() for p in module.parameters())  # an HF model (``num_parameters`` is a method there)
+
+
 def _has_checkpoint(ckpt_dir: Path) -> bool:
-    return ckpt_dir.is_dir() and any(p.name != "latest" or p.is_file() for p in ckpt_dir.iterdir())
+    return ckpt_dir.is_dir() and any(ckpt_dir.iterdir())
 
 
 def _current_lr(engine: Any) -> float:
