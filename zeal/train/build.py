@@ -40,6 +40,7 @@ from zeal.zero.units import (
     materialize_unit,
     replace_meta_parameters,
 )
+from zeal.zero.zeropp import UnitCollectives, build_topology
 
 log = logging.getLogger("zeal")
 
@@ -121,13 +122,18 @@ def initialize(
 
     # 5. gradient reduction and the stage-3 coordinator
     coordinator = None
+    coll = None
     if stage == 3:
+        zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
+        topo = build_topology(ctx, comm, zc.zero_hpz_partition_size) if zeropp and ctx.world_size > 1 else None
+        coll = UnitCollectives(comm, zc, topo)
         coordinator = ParamCoordinator(
-            model, units, needs, comm, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
+            model, units, needs, comm, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
             zc.stage3_max_reuse_distance, zc.stage3_max_live_parameters)
     mode = {0: "all_reduce", 1: "scatter_at_boundary"}.get(stage, "scatter_every_step")
     reducer = GradReducer(units, comm, mode, overlap=zc.overlap_comm, max_inflight_elems=zc.reduce_bucket_size,
-                          on_grads_taken=coordinator.on_grads_taken if coordinator else None)
+                          on_grads_taken=coordinator.on_grads_taken if coordinator else None,
+                          scatter=coll.reduce_scatter if coll else None)
 
     # 6. optimizer, scaler, schedule, data
     inner = _inner_optimizer(cfg, optimizer, units)

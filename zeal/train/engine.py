@@ -133,6 +133,8 @@ class TrainEngine:
         t0 = time.perf_counter()
         p = self._p
         p.reducer.begin_backward(self.is_gradient_accumulation_boundary())
+        if p.coordinator is not None:
+            p.coordinator.begin_backward()
         scale = (p.scaler.scale if p.scaler else 1.0) / p.grad_accum
         (loss.float() * scale).backward()
         t1 = time.perf_counter()

@@ -34,12 +34,15 @@ MODES = ("all_reduce", "scatter_at_boundary", "scatter_every_step")
 class GradReducer:
     def __init__(self, units: list[FlatUnit], comm: Comm, mode: str, overlap: bool = True,
                  max_inflight_elems: int = 500_000_000,
-                 on_grads_taken: Callable[[FlatUnit], None] | None = None) -> None:
+                 on_grads_taken: Callable[[FlatUnit], None] | None = None,
+                 scatter: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> None:
         assert mode in MODES, mode
         self.units = [u for u in units if u.trainable]
         self.comm, self.mode, self.overlap = comm, mode, overlap
         self.max_inflight = max_inflight_elems
         self.on_grads_taken = on_grads_taken
+        # how a complete flat gradient is reduce-scattered (ZeRO++ swaps in qgZ)
+        self._scatter = scatter or (lambda out, flat: comm.reduce_scatter(out, flat, "grad", async_op=True))
         self.world = comm.size
         self.full_grads: dict[int, torch.Tensor] = {}
         self.acc: dict[int, torch.Tensor] = {}       # summed shard per unit (stage 1: at boundary; 2/3: accumulated)
@@ -102,7 +105,7 @@ class GradReducer:
             if flat is None:  # no parameter of this unit received a gradient
                 flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
             out = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
-            work = self.comm.reduce_scatter(out, flat, "grad", async_op=True)
+            work = self._scatter(out, flat)
             self._pending.append((u, work, out, flat))
             if self.on_grads_taken is not None:  # stage 3: the gathered parameters may go
                 self.on_grads_taken(u)

@@ -32,13 +32,14 @@ from torch import nn
 
 from zeal.dist.comm import Comm
 from zeal.zero.units import FlatUnit
+from zeal.zero.zeropp import UnitCollectives
 
 
 class ParamCoordinator:
     def __init__(self, model: nn.Module, units: list[FlatUnit], needs: dict[nn.Module, list[FlatUnit]],
-                 comm: Comm, persistence_threshold: int, prefetch_elems: int, max_reuse_distance: int,
-                 max_live_elems: int) -> None:
-        self.units, self.needs, self.comm = units, needs, comm
+                 comm: Comm, coll: UnitCollectives, persistence_threshold: int, prefetch_elems: int,
+                 max_reuse_distance: int, max_live_elems: int) -> None:
+        self.units, self.needs, self.comm, self.coll = units, needs, comm, coll
         self.prefetch_elems = prefetch_elems
         self.max_reuse = max_reuse_distance
         self.max_live = max_live_elems
@@ -47,6 +48,9 @@ class ParamCoordinator:
         self._bwd_held: set[int] = set()
         self._trace: list[int] = []          # recorded unit order of the last complete step
         self._recording: list[int] = []
+        self._trace_fwd_len = 0              # trace entries before backward began
+        self._rec_fwd_len: int | None = None
+        self._in_backward = False
         self._pos = 0
         self._valid = False
         self._keep_until: dict[int, int] = {}
@@ -70,7 +74,7 @@ class ParamCoordinator:
             return
         u.alloc_full()
         u.gathered = True
-        self._inflight[u.index] = self.comm.all_gather(u.full, u.shard, "param", async_op=True)
+        self._inflight[u.index] = self.coll.gather(u, backward=self._in_backward)
 
     def _wait(self, u: FlatUnit) -> None:
         work = self._inflight.pop(u.index, None)
@@ -112,7 +116,9 @@ class ParamCoordinator:
     def _prefetch(self) -> None:
         budget = self.prefetch_elems
         live = sum(u.padded for u in self.units if u.gathered and not u.persistent)
-        for idx in self._trace[self._pos:]:
+        # forward prefetches forward uses only: backward gathers may take another route (hpZ)
+        stop = len(self._trace) if self._in_backward else self._trace_fwd_len
+        for idx in self._trace[self._pos:stop]:
             u = self.units[idx]
             if budget <= 0 or live >= self.max_live:
                 break
@@ -154,8 +160,14 @@ class ParamCoordinator:
         self._bwd_held.discard(u.index)
         self._release(u)
 
+    def begin_backward(self) -> None:
+        self._in_backward = True
+        if self._rec_fwd_len is None:
+            self._rec_fwd_len = len(self._recording)
+
     def finish_backward(self) -> None:
         """Release what backward left gathered (frozen units, unused parameters)."""
+        self._in_backward = False
         for idx in list(self._bwd_held):
             self._bwd_held.discard(idx)
             self._release(self.units[idx])
@@ -164,7 +176,10 @@ class ParamCoordinator:
         """Close the trace of this step and release everything not persistent."""
         if self._recording:
             self._trace, self._recording = self._recording, []
+            self._trace_fwd_len = self._rec_fwd_len if self._rec_fwd_len is not None else len(self._trace)
             self._compute_reuse()
+        self._rec_fwd_len = None
+        self.coll.drop_secondary()
         self._pos = 0
         self._valid = bool(self._trace)
         self._bwd_held.clear()

@@ -1,0 +1,127 @@
+"""ZeRO++ for stage 3: how a unit is gathered and how its gradient is reduced.
+
+* qwZ — the forward all-gather sends int8 block-quantized shards (plus one fp32
+  scale per block) and dequantizes on arrival.
+* hpZ — the forward gather also leaves each rank a *secondary* shard: its slice of
+  the unit within its hpZ group (G consecutive ranks, normally one node). The
+  backward gather then runs inside that group only, so it sends no byte across
+  nodes. Cost: 2Ψ/G bytes more per rank (bf16), held from forward to backward.
+  Secondary shards are dropped after each optimizer step (the values changed).
+* qgZ — the gradient reduce-scatter is replaced by two quantized all-to-alls
+  (inside the node, then across nodes; :func:`zeal.dist.quant.quantized_reduce_scatter`).
+
+With every option off, these strategies are exactly the plain collectives, so the
+coordinator and reducer have a single code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zeal.config.schema import ZeroConfig
+from zeal.dist.comm import Comm, _Done
+from zeal.dist.context import DistContext
+from zeal.dist.quant import quantized_all_gather, quantized_nbytes, quantized_reduce_scatter
+from zeal.zero.units import FlatUnit
+
+
+@dataclass
+class Topology:
+    """Sub-groups of the world: this rank's node (``intra``), the ranks sharing its
+    local index on every node (``inter``) and its hpZ group."""
+
+    intra: Comm
+    inter: Comm
+    hpz: Comm
+    hpz_index: int
+
+
+def build_topology(ctx: DistContext, world: Comm, hpz_size: int) -> Topology:
+    """Create the groups (every rank creates every group, in the same order)."""
+    n, d = ctx.world_size, ctx.local_world_size
+    if n % hpz_size:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size {hpz_size} does not divide world size {n}")
+    mine: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
+    for node in range(n // d):
+        ranks = list(range(node * d, (node + 1) * d))
+        g = dist.new_group(ranks) if n > 1 else None
+        if ctx.rank in ranks:
+            mine["intra"] = (g, ranks)
+    for local in range(d):
+        ranks = list(range(local, n, d))
+        g = dist.new_group(ranks) if n > 1 else None
+        if ctx.rank in ranks:
+            mine["inter"] = (g, ranks)
+    for start in range(0, n, hpz_size):
+        ranks = list(range(start, start + hpz_size))
+        g = dist.new_group(ranks) if n > 1 else None
+        if ctx.rank in ranks:
+            mine["hpz"] = (g, ranks)
+    comms = {k: Comm(ctx, group=g, ranks=r, stats=world.stats) for k, (g, r) in mine.items()}
+    return Topology(comms["intra"], comms["inter"], comms["hpz"], ctx.rank % hpz_size)
+
+
+@dataclass
+class UnitCollectives:
+    """The stage-3 gather and gradient-reduce strategies (plain or ZeRO++)."""
+
+    world: Comm
+    zc: ZeroConfig
+    topo: Topology | None = None
+    secondary: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def hpz(self) -> bool:
+        return self.topo is not None and self.zc.zero_hpz_partition_size > 1
+
+    def gather(self, u: FlatUnit, backward: bool):
+        """Fill ``u.full`` (storage allocated) from the shards; returns a handle with wait()."""
+        if backward and u.index in self.secondary:  # hpZ: inside the group only
+            return self.topo.hpz.all_gather(u.full, self.secondary[u.index], "param", async_op=True)
+        if self.zc.zero_quantized_weights and self.world.active:
+            self._quantized_gather(u)
+            work = _Done()
+        else:
+            work = self.world.all_gather(u.full, u.shard, "param", async_op=True)
+        if self.hpz:
+            work.wait()
+            g = self.topo.hpz.size
+            s = u.padded // g
+            self.secondary[u.index] = u.full[self.topo.hpz_index * s:(self.topo.hpz_index + 1) * s].clone()
+        return work
+
+    def _quantized_gather(self, u: FlatUnit) -> None:
+        bits, block = self.zc.zero_quantized_weights_bits, self.zc.zero_quantization_block_size
+        n = self.world.size
+        full = quantized_all_gather(u.shard, self.world.group, bits=bits, block_size=block)
+        with torch.autograd._unsafe_preserve_version_counter(u.full):
+            u.full.copy_(full)
+        sent = quantized_nbytes(u.shard_numel, bits, block)
+        self.world.stats.record("qwz_all_gather", "param", u.padded, sent * (n - 1),
+                                sent * self.world._remote_peers)
+
+    def drop_secondary(self) -> None:
+        self.secondary.clear()
+
+    def secondary_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.secondary.values())
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor):
+        """``out`` gets the *sum* over ranks of this rank's chunk of ``flat``."""
+        if not (self.zc.zero_quantized_gradients and self.world.active and self.topo is not None):
+            return self.world.reduce_scatter(out, flat, "grad", async_op=True)
+        bits, block = self.zc.zero_quantized_gradients_bits, self.zc.zero_quantization_block_size
+        stats, n = self.world.stats, self.world.size
+
+        def record(op: str, group_size: int, nbytes: int) -> None:
+            inter = nbytes if op.startswith("qgz_inter") else 0
+            logical = flat.numel() if op.startswith("qgz_intra") else 0  # count Ψ once per reduction
+            stats.record(op, "grad", logical, nbytes, inter)
+
+        mean = quantized_reduce_scatter(flat, self.topo.intra.group, self.topo.inter.group, bits=bits,
+                                        block_size=block, record=record)
+        out.copy_(mean.mul_(n))
+        return _Done()
