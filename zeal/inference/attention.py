@@ -80,16 +80,17 @@ def paged_attention(
         out[meta.decode_rows] = y.squeeze(2)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
-        qc = q[rows].transpose(0, 1)  # (nh, q_len, hd)
+        # 4-D (1, heads, len, hd): the fused kernels want a batch dimension
+        qc = q[rows].transpose(0, 1)[None]
         if c.ctx_len == c.q_len:  # nothing cached before this chunk: use the fresh K/V
-            kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
+            kc, vc = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
             y = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
         else:
-            kc = gather_kv(k_cache, c.block_table, c.ctx_len).transpose(0, 1).to(q.dtype)
-            vc = gather_kv(v_cache, c.block_table, c.ctx_len).transpose(0, 1).to(q.dtype)
+            kc = gather_kv(k_cache, c.block_table, c.ctx_len).transpose(0, 1)[None].to(q.dtype)
+            vc = gather_kv(v_cache, c.block_table, c.ctx_len).transpose(0, 1)[None].to(q.dtype)
             # query i sits at absolute position ctx_len - q_len + i and sees keys <= it
             qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)[:, None]
             mask = torch.arange(c.ctx_len, device=q.device)[None, :] <= qpos
             y = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=gqa)
-        out[rows] = y.transpose(0, 1)
+        out[rows] = y[0].transpose(0, 1)
     return out

@@ -94,7 +94,10 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
         sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     else:
         raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
-    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True, assign=True)
+    # fresh, aligned storage: safetensors hands out views at arbitrary byte offsets,
+    # which BLAS kernels run markedly slower on
+    sd = {k: v.to(dtype=dtype, copy=True) for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True, assign=True)
     if isinstance(model, Llama):  # buffers are not in the checkpoint; rebuild on CPU
         from zeal.models.llama import rope_inv_freq
 

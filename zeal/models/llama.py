@@ -125,8 +125,9 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     """Causal attention for one sequence: q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    y = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return y.transpose(0, 1)
+    # 4-D (1, heads, T, hd): the fused CPU/CUDA kernels want a batch dimension
+    y = F.scaled_dot_product_attention(*(z.transpose(0, 1)[None] for z in (q, k, v)), is_causal=True)
+    return y[0].transpose(0, 1)
 
 
 class RMSNorm(nn.Module):
