@@ -319,9 +319,12 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
 
 # -- load ---------------------------------------------------------------------------------------
 class _Pieces:
-    """Index of the saved pieces: key -> [(reader, lo, hi)], plus per-file metadata."""
+    """Index of the saved pieces: key -> [(reader, lo, hi, path)], plus per-file metadata.
+    ``transient``: map a file only while one tensor is read from it (export keeps its
+    resident memory near one tensor instead of the whole mapped checkpoint)."""
 
-    def __init__(self, folder: Path, files: list[str]) -> None:
+    def __init__(self, folder: Path, files: list[str], transient: bool = False) -> None:
+        self.transient = transient
         self.readers, self.meta, self.index = [], [], {}
         self.scalars: dict[str, dict] = {}
         for f in files:
@@ -334,8 +337,9 @@ class _Pieces:
             if md.get("rank") != len(self.readers) or md.get("world_size") != len(files):
                 raise CheckpointCorruptError(f"{folder / f}: holds the shard of rank {md.get('rank')} of "
                                              f"{md.get('world_size')}, expected rank {len(self.readers)} of {len(files)}")
-            self.readers.append(r)
+            self.readers.append(None if transient else r)
             self.meta.append(md)
+            r = len(self.readers) - 1
             self.scalars.update(md.get("scalars", {}))
             for k in keys:
                 kind, _, name = k.partition("/")
@@ -352,7 +356,7 @@ class _Pieces:
             a, b = max(lo, plo), min(hi, phi)
             if a >= b:
                 continue
-            part = r.get_slice(key)[a - plo:b - plo]
+            part = self._open(r, path).get_slice(key)[a - plo:b - plo]
             if part.numel() != b - a:
                 raise CheckpointCorruptError(f"{path}: {key} has {part.numel()} elements, index says {b - a}")
             out[a - lo:b - lo].copy_(part)
@@ -365,7 +369,10 @@ class _Pieces:
         entries = self.index.get(key)
         if not entries:
             raise CheckpointCorruptError(f"{key}: not found in any shard")
-        return entries[0][0].get_tensor(key)
+        return self._open(entries[0][0], entries[0][3]).get_tensor(key)
+
+    def _open(self, i: int, path: Path) -> Any:
+        return self.readers[i] or safe_open(str(path), framework="pt")
 
 
 def _verify(folder: Path, rank: int, world: int) -> dict:

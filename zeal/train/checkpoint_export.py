@@ -36,13 +36,13 @@ def find_checkpoint(path: str | Path, tag: str | None = None) -> Path:
     return p / cio.resolve_tags(p, tag)[0]
 
 
-def open_verified(folder: Path) -> tuple[dict, dict, _Pieces]:
+def open_verified(folder: Path, transient: bool = True) -> tuple[dict, dict, _Pieces]:
     """Manifest, meta and piece index of a tag folder, after checking every file's SHA-256."""
     manifest = cio.read_manifest(folder)
     for name in sorted(manifest["files"]):
         cio.verify_file(folder, name, manifest)
     meta = _read_meta(folder)
-    return manifest, meta, _Pieces(folder, meta["files"])
+    return manifest, meta, _Pieces(folder, meta["files"], transient=transient)
 
 
 def _hf_gpt2_config(cfg: dict) -> dict:
