@@ -32,6 +32,8 @@ from zeal.train.lr_schedules import build_scheduler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
 from zeal.zero.param_coordinator import ParamCoordinator
+from zeal.zero.shard_home import DiskShards, MemoryShards
+from zeal.zero.swapped_optimizer import SwappedZeroOptimizer
 from zeal.zero.units import (
     FlatUnit,
     build_bucket_units,
@@ -123,10 +125,14 @@ def initialize(
     # 5. gradient reduction and the stage-3 coordinator
     coordinator = None
     coll = None
+    home: MemoryShards | DiskShards = MemoryShards()
     if stage == 3:
         zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
         topo = build_topology(ctx, comm, zc.zero_hpz_partition_size) if zeropp and ctx.world_size > 1 else None
-        coll = UnitCollectives(comm, zc, topo)
+        op = zc.offload_param
+        if op.device == "nvme":  # ZeRO-Infinity: parameter shards in swap files
+            home = DiskShards(units, _rank_folder(op.nvme_path, ctx.rank), op.buffer_count, op.buffer_size)
+        coll = UnitCollectives(comm, zc, topo, home)
         coordinator = ParamCoordinator(
             model, units, needs, comm, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
             zc.stage3_max_reuse_distance, zc.stage3_max_live_parameters)
@@ -136,10 +142,27 @@ def initialize(
                           scatter=coll.reduce_scatter if coll else None)
 
     # 6. optimizer, scaler, schedule, data
-    inner = _inner_optimizer(cfg, optimizer, units)
     scaler = LossScaler(cfg.fp16) if cfg.fp16.enabled else None
-    zopt = ZeroOptimizer(units, reducer, comm, stage, inner, cfg.gradient_clipping, scaler)
-    zopt.bind(inner.param_groups)
+    oo = zc.offload_optimizer
+    if oo.device == "nvme":  # ZeRO-Infinity: masters and moments in swap files
+        if optimizer is not None:
+            raise ConfigError("zero_optimization.offload_optimizer.device 'nvme' builds its own Adam/AdamW "
+                              "from the config's optimizer section; do not pass an optimizer")
+        spec = cfg.optimizer
+        try:
+            zopt = SwappedZeroOptimizer(
+                units, reducer, comm, stage, spec.type if spec else "AdamW",
+                dict(spec.params) if spec else {"lr": 1e-3}, cfg.gradient_clipping, scaler, home,
+                _rank_folder(oo.nvme_path, ctx.rank), zc.sub_group_size, max(oo.buffer_count, 3))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        inner = zopt.optimizer
+    else:
+        inner = _inner_optimizer(cfg, optimizer, units)
+        master_device = torch.device("cpu") if oo.device == "cpu" else None  # ZeRO-Offload
+        zopt = ZeroOptimizer(units, reducer, comm, stage, inner, cfg.gradient_clipping, scaler, home,
+                             master_device)
+        zopt.bind(inner.param_groups)
     scheduler = _scheduler(cfg, lr_scheduler, inner)
     loader = None
     if training_data is not None:
@@ -150,6 +173,18 @@ def initialize(
     parts = EngineParts(model, cfg, ctx, comm, units, reducer, zopt, coordinator, scaler, scheduler, loader,
                         dtype, micro, accum)
     return TrainEngine(parts)
+
+
+def _rank_folder(path: str, rank: int) -> str:
+    """Each rank swaps into its own sub-folder of the configured path (checked to exist)."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"nvme_path '{path}' does not exist or is not a folder")
+    sub = os.path.join(path, f"zeal-rank{rank}")
+    try:
+        os.makedirs(sub, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"nvme_path '{path}' is not writable: {e}") from None
+    return sub
 
 
 def _prepare_non_unit_tensors(model: nn.Module, dtype: torch.dtype, device: torch.device,

@@ -172,22 +172,25 @@ class TrainEngine:
     # -- reports ---------------------------------------------------------------------------
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds persistently for parameters (trainable, in flat units),
-        gradients and optimizer state (separate fp32 masters + optimizer moments).
-        Transient gathered copies (ZeRO-3) and frozen parameters are reported apart."""
+        gradients and optimizer state (separate fp32 masters + optimizer moments; with
+        nvme offload, the swap buffer pool). Transient gathered copies (ZeRO-3), frozen
+        parameters, and what lives on disk are reported apart."""
         p = self._p
         params = 0
         gathered = 0
+        home = p.coordinator.coll.home if p.coordinator is not None else None
+        on_disk = home is not None and home.on_disk
         for u in p.units:
             if not u.trainable:
                 continue
             if u.partitioned:
-                params += u.nbytes_shard() + (u.padded * u.full.element_size() if u.persistent else 0)
+                params += (0 if on_disk else u.nbytes_shard()) + (u.padded * u.full.element_size() if u.persistent else 0)
                 if u.gathered and not u.persistent:
                     gathered += u.padded * u.full.element_size()
             else:
                 params += u.padded * u.full.element_size()
         frozen = sum(
-            (u.nbytes_shard() if u.partitioned else u.padded * u.full.element_size())
+            ((0 if on_disk else u.nbytes_shard()) if u.partitioned else u.padded * u.full.element_size())
             for u in p.units if not u.trainable
         )
         out = {
@@ -198,6 +201,11 @@ class TrainEngine:
             "frozen": frozen,
         }
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        # the other tiers (ZeRO-Offload / ZeRO-Infinity)
+        out["param_swap_buffers"] = home.cpu_bytes(p.units) if on_disk else 0
+        out["params_disk"] = home.disk_bytes() if on_disk else 0
+        disk = getattr(p.zero_optimizer, "disk_bytes", None)
+        out["optimizer_disk"] = disk() if disk else 0
         return out
 
     def comm_stats(self) -> dict:

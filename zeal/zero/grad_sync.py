@@ -54,6 +54,15 @@ class GradReducer:
         self._boundary = True
         self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
         self.reduce_time = 0.0
+        self._flat_acc = None
+        if mode == "scatter_every_step":  # one flat buffer; each unit's accumulator is a view
+            self._flat_acc = torch.zeros(sum(u.shard_numel for u in self.units),
+                                         dtype=self.units[0].dtype if self.units else torch.float32,
+                                         device=self.units[0].device if self.units else "cpu")
+            off = 0
+            for u in self.units:
+                self.acc[u.index] = self._flat_acc[off:off + u.shard_numel]
+                off += u.shard_numel
         for u in self.units:
             for i, p in enumerate(u.params):
                 self._slot_of[id(p)] = (u, i)
@@ -62,8 +71,6 @@ class GradReducer:
                 self.full_grads[u.index] = g
                 for slot, p in zip(u.slots, u.params):
                     p.grad = g[slot.offset:slot.end].view(slot.shape)
-            else:
-                self.acc[u.index] = torch.zeros(u.shard_numel, dtype=u.dtype, device=u.device)
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -142,17 +149,22 @@ class GradReducer:
             g.div_(self.world)
         return g
 
+    def flat_grads(self, units: list[FlatUnit], grads: list[torch.Tensor]) -> torch.Tensor:
+        """The reduced shard gradients of ``units`` end to end (a view when they already are)."""
+        if self._flat_acc is not None and [u.index for u in units] == [u.index for u in self.units]:
+            return self._flat_acc
+        return torch.cat([g.reshape(-1) for g in grads])
+
     def zero(self) -> None:
         for g in self.full_grads.values():
             g.zero_()
-        if self.mode == "scatter_every_step":
-            for a in self.acc.values():
-                a.zero_()
+        if self._flat_acc is not None:
+            self._flat_acc.zero_()
         else:
             self.acc.clear()
 
     def nbytes(self) -> int:
         """Persistent gradient bytes held by this rank."""
         full = sum(g.numel() * g.element_size() for g in self.full_grads.values())
-        acc = sum(a.numel() * a.element_size() for a in self.acc.values()) if self.mode == "scatter_every_step" else 0
+        acc = self._flat_acc.numel() * self._flat_acc.element_size() if self._flat_acc is not None else 0
         return full + acc

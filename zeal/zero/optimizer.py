@@ -23,25 +23,58 @@ from torch import nn
 from zeal.dist.comm import Comm
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
+from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
+
+
+def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler: LossScaler | None,
+                       clip: float) -> tuple[bool, float]:
+    """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
+    Returns (step may proceed, global norm before clipping; inf on overflow).
+    Stage 0 holds the whole mean gradient on every rank, so its norm needs no
+    communication; stages 1–3 sum squared shard norms over ranks."""
+    if scaler is not None:
+        inv = 1.0 / scaler.scale
+        for g in grads:
+            g.mul_(inv)
+        bad = any(not torch.isfinite(g).all() for g in grads)
+        bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
+        scaler.update(bad)
+        if bad:
+            return False, float("inf")
+    sq = sum(float(g.double().pow(2).sum()) for g in grads) if grads else 0.0
+    if stage > 0:
+        sq = comm.all_reduce_scalar(sq, "sum")
+    norm = math.sqrt(sq)
+    if clip > 0:
+        coef = clip / (norm + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return True, norm
 
 
 class ZeroOptimizer:
     """Owns masters and the inner ``torch.optim`` optimizer (exposed as ``.optimizer``)."""
 
     def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: int,
-                 inner: torch.optim.Optimizer, clip: float, scaler: LossScaler | None) -> None:
+                 inner: torch.optim.Optimizer, clip: float, scaler: LossScaler | None,
+                 home: MemoryShards | DiskShards | None = None, master_device: torch.device | None = None) -> None:
         self.units = [u for u in units if u.trainable]
         self.reducer, self.comm, self.stage = reducer, comm, stage
         self.clip, self.scaler = clip, scaler
+        self.home = home or MemoryShards()
         self.optimizer = inner
         self.masters: list[nn.Parameter] = []
         for u in self.units:
-            src = u.full if stage == 0 else u.shard
-            if u.dtype == torch.float32:
+            src = u.full if stage == 0 else self.home.get(u)
+            device = master_device or src.device
+            if u.dtype == torch.float32 and not self.home.on_disk and device == src.device:
                 m = nn.Parameter(src, requires_grad=True)  # shares storage with the model
-            else:
-                m = nn.Parameter(src.detach().float().clone(), requires_grad=True)
+            else:  # a separate fp32 master (mixed precision, or offloaded)
+                m = nn.Parameter(src.detach().to(device=device, dtype=torch.float32, copy=True), requires_grad=True)
+            if stage > 0:
+                self.home.done(u)
             self.masters.append(m)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
@@ -59,30 +92,13 @@ class ZeroOptimizer:
         skipped for an fp16 overflow (on every rank alike)."""
         for u, m in zip(self.units, self.masters):
             g = self.reducer.reduced_grad(u)
-            m.grad = g if g.dtype == torch.float32 else g.float()
+            m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
-        if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            for g in grads:
-                g.mul_(inv)
-            bad = any(not torch.isfinite(g).all() for g in grads)
-            bad = self.comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
-            self.scaler.update(bad)
-            if bad:
-                self.skipped_steps += 1
-                self.last_grad_norm = float("inf")
-                self._drop_grads()
-                return False
-        sq = sum(float(g.double().pow(2).sum()) for g in grads) if grads else 0.0
-        if self.stage > 0:
-            sq = self.comm.all_reduce_scalar(sq, "sum")
-        norm = math.sqrt(sq)
-        self.last_grad_norm = norm
-        if self.clip > 0:
-            coef = self.clip / (norm + 1e-6)
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
+        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
+        if not ok:
+            self.skipped_steps += 1
+            self._drop_grads()
+            return False
         self.optimizer.step()
         self._drop_grads()
         self._write_back()
@@ -103,8 +119,7 @@ class ZeroOptimizer:
                     u.shard.copy_(m)
                 self.comm.all_gather(u.full, u.shard.clone(), "param")
             else:
-                if m.data_ptr() != u.shard.data_ptr():
-                    u.shard.copy_(m)
+                self.home.put(u, m)
 
     def nbytes(self) -> int:
         """Persistent optimizer bytes: separate masters plus optimizer state tensors
@@ -112,7 +127,7 @@ class ZeroOptimizer:
         total = 0
         for u, m in zip(self.units, self.masters):
             src = u.full if self.stage == 0 else u.shard
-            if m.data_ptr() != src.data_ptr():
+            if m.data_ptr() != src.data_ptr() or self.home.on_disk:
                 total += m.numel() * m.element_size()
             for v in self.optimizer.state.get(m, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:

@@ -192,7 +192,7 @@ class ParamCoordinator:
         """After the optimizer updated shards: bring persistent units up to date."""
         for u in self.units:
             if u.persistent and u.trainable:
-                self.comm.all_gather(u.full, u.shard, "param")
+                self.coll.refresh(u)
 
     def _compute_reuse(self) -> None:
         """For each position p of the trace, keep unit trace[p] gathered until its next

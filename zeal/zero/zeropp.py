@@ -25,6 +25,7 @@ from zeal.config.schema import ZeroConfig
 from zeal.dist.comm import Comm, _Done
 from zeal.dist.context import DistContext
 from zeal.dist.quant import quantized_all_gather, quantized_nbytes, quantized_reduce_scatter
+from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
 
 
@@ -71,6 +72,7 @@ class UnitCollectives:
     world: Comm
     zc: ZeroConfig
     topo: Topology | None = None
+    home: MemoryShards | DiskShards = field(default_factory=MemoryShards)
     secondary: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
@@ -81,11 +83,15 @@ class UnitCollectives:
         """Fill ``u.full`` (storage allocated) from the shards; returns a handle with wait()."""
         if backward and u.index in self.secondary:  # hpZ: inside the group only
             return self.topo.hpz.all_gather(u.full, self.secondary[u.index], "param", async_op=True)
+        shard = self.home.get(u)
         if self.zc.zero_quantized_weights and self.world.active:
-            self._quantized_gather(u)
+            self._quantized_gather(u, shard)
             work = _Done()
         else:
-            work = self.world.all_gather(u.full, u.shard, "param", async_op=True)
+            work = self.world.all_gather(u.full, shard, "param", async_op=True)
+        if self.home.on_disk:  # the swap buffer goes back to the pool once sent
+            work.wait()
+            self.home.done(u)
         if self.hpz:
             work.wait()
             g = self.topo.hpz.size
@@ -93,15 +99,21 @@ class UnitCollectives:
             self.secondary[u.index] = u.full[self.topo.hpz_index * s:(self.topo.hpz_index + 1) * s].clone()
         return work
 
-    def _quantized_gather(self, u: FlatUnit) -> None:
+    def _quantized_gather(self, u: FlatUnit, shard: torch.Tensor) -> None:
         bits, block = self.zc.zero_quantized_weights_bits, self.zc.zero_quantization_block_size
         n = self.world.size
-        full = quantized_all_gather(u.shard, self.world.group, bits=bits, block_size=block)
+        full = quantized_all_gather(shard, self.world.group, bits=bits, block_size=block)
         with torch.autograd._unsafe_preserve_version_counter(u.full):
             u.full.copy_(full)
         sent = quantized_nbytes(u.shard_numel, bits, block)
         self.world.stats.record("qwz_all_gather", "param", u.padded, sent * (n - 1),
                                 sent * self.world._remote_peers)
+
+    def refresh(self, u: FlatUnit) -> None:
+        """All-gather a persistent unit after its shard changed (full precision)."""
+        shard = self.home.get(u)
+        self.world.all_gather(u.full, shard, "param")
+        self.home.done(u)
 
     def drop_secondary(self) -> None:
         self.secondary.clear()

@@ -1,0 +1,116 @@
+"""The ZeRO optimizer step with fp32 masters and Adam moments on disk (ZeRO-Infinity,
+``offload_optimizer.device: nvme``).
+
+This rank's shards of every trainable unit are laid end to end in one flat space;
+:class:`~zeal.zero.offload.SwappedAdam` keeps masters, exp_avg and exp_avg_sq for
+that space in swap files and streams it through a bounded buffer pool by
+sub-group. Gradients stay in memory (the reducer's shard accumulators, in the
+compute dtype, upcast per sub-group). Each updated fp32 chunk is handed back as
+it is produced and written into the model's shards (in memory, or through the
+stage-3 parameter home on disk), so the full master never exists in memory.
+Only Adam and AdamW are supported on this path, as in DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeal.dist.comm import Comm
+from zeal.precision.loss_scaler import LossScaler
+from zeal.zero.grad_sync import GradReducer
+from zeal.zero.offload import CPUAdam, SwappedAdam, check_swap_path
+from zeal.zero.offload.swap import OPTIMIZER_PATH_KEY
+from zeal.zero.optimizer import unscale_check_clip
+from zeal.zero.shard_home import DiskShards, MemoryShards
+from zeal.zero.units import FlatUnit
+
+
+class LrGroups:
+    """The part of an optimizer an LR schedule touches: ``param_groups[i]["lr"]``."""
+
+    def __init__(self, lr: float) -> None:
+        self.param_groups = [{"lr": lr, "initial_lr": lr}]
+        self.state: dict = {}
+
+
+class SwappedZeroOptimizer:
+    def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: int,
+                 opt_type: str, opt_params: dict, clip: float, scaler: LossScaler | None,
+                 home: MemoryShards | DiskShards, nvme_path: str, sub_group_size: int, buffer_count: int) -> None:
+        if opt_type not in ("Adam", "AdamW"):
+            raise ValueError(f"zero_optimization.offload_optimizer.device 'nvme' supports Adam and AdamW, "
+                             f"not {opt_type!r}")
+        params = dict(opt_params)
+        lr = float(params.pop("lr", 1e-3))
+        bad = sorted(set(params) - {"betas", "eps", "weight_decay"})
+        if bad:
+            raise ValueError(f"config key 'optimizer.params.{bad[0]}' is not supported with nvme offload")
+        self.units = [u for u in units if u.trainable]
+        self.reducer, self.comm, self.stage, self.home = reducer, comm, stage, home
+        self.clip, self.scaler = clip, scaler
+        self.offsets = []
+        total = 0
+        for u in self.units:
+            self.offsets.append(total)
+            total += u.shard_numel
+        self.numel = total
+        check_swap_path(nvme_path, 12 * total, OPTIMIZER_PATH_KEY)
+        adam = CPUAdam(lr=lr, betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
+                       weight_decay=params.get("weight_decay", 0.01 if opt_type == "AdamW" else 0.0),
+                       adamw=opt_type == "AdamW")
+        self.swapped = SwappedAdam(total, adam, nvme_path, sub_group_size=min(sub_group_size, max(total, 1)),
+                                   buffer_count=buffer_count)
+        for u, off in zip(self.units, self.offsets):  # initial masters: the current shards, in fp32
+            self.swapped.write_master(home.get(u).float(), off)
+            home.done(u)
+        self.optimizer = LrGroups(lr)
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.last_stats = None
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def bind(self, groups: list[dict]) -> None:  # the LR groups are our own
+        pass
+
+    def step(self) -> bool:
+        grads = [self.reducer.reduced_grad(u) for u in self.units]
+        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
+        if not ok:
+            self.skipped_steps += 1
+            return False
+        flat = self.reducer.flat_grads(self.units, grads)
+        self.last_stats = self.swapped.step(flat.to("cpu"), on_update=self._on_update,
+                                            lr=self.optimizer.param_groups[0]["lr"])
+        if self.stage in (1, 2):
+            for u in self.units:
+                self.comm.all_gather(u.full, u.shard.clone(), "param")
+        return True
+
+    @torch.no_grad()
+    def _on_update(self, start: int, chunk: torch.Tensor) -> None:
+        """Copy the updated fp32 master elements [start, start + len) into unit shards."""
+        end = start + chunk.numel()
+        for u, off in zip(self.units, self.offsets):
+            lo, hi = max(start, off), min(end, off + u.shard_numel)
+            if lo >= hi:
+                continue
+            piece = chunk[lo - start:hi - start]
+            if not self.home.on_disk:
+                u.shard[lo - off:hi - off].copy_(piece)
+                continue
+            stage = self._staging.get(u.index)
+            if stage is None:
+                stage = self._staging[u.index] = torch.empty(u.shard_numel, dtype=u.dtype)
+            stage[lo - off:hi - off].copy_(piece)
+            if hi == off + u.shard_numel:  # the unit's last element: store it whole
+                self.home.put(u, self._staging.pop(u.index))
+
+    def nbytes(self) -> int:
+        """Optimizer bytes held in memory: the swap buffer pool."""
+        return self.swapped.cpu_bytes
+
+    def disk_bytes(self) -> int:
+        return self.swapped.disk_bytes
+
+    def close(self) -> None:
+        self.swapped.close()
