@@ -85,3 +85,46 @@ def test_bad_offload_configs_fail_at_start():
         zeal.initialize(TinyNet(), {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                                     "zero_optimization": {"stage": 2, "offload_optimizer": {
                                         "device": "nvme", "nvme_path": d}}})
+
+
+def _resume(rank, world, path, variant):
+    import zeal
+
+    zo = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if variant == "nvme_all":
+        zo.update({"offload_optimizer": {"device": "nvme", "nvme_path": path + "/swap"},
+                   "offload_param": {"device": "nvme", "nvme_path": path + "/swap"}, "sub_group_size": 300})
+
+    def engine_for(zo):
+        torch.manual_seed(0)
+        return zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zo,
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+
+    batches = make_batches(6, 1, world, 2)
+
+    def train(engine, steps):
+        for step in steps:
+            engine.backward(engine(step[0][rank]))
+            engine.step()
+
+    straight = engine_for(zo)
+    train(straight, batches)
+    first = engine_for(zo)
+    train(first, batches[:3])
+    first.save_checkpoint(path + "/ckpt", tag="s3")
+    resumed = engine_for(zo)
+    resumed.load_checkpoint(path + "/ckpt", tag="s3")
+    train(resumed, batches[3:])
+    plain = engine_for({"stage": 1})  # the disk-tier checkpoint loads into a plain engine too
+    plain.load_checkpoint(path + "/ckpt", tag="s3")
+    return straight.module_state_dict(), resumed.module_state_dict(), first.module_state_dict(), \
+        plain.module_state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_of_the_disk_tier_resumes_exactly(tmp_path):
+    os.makedirs(tmp_path / "swap")
+    straight, resumed, first, plain = _resume(0, 1, str(tmp_path), "nvme_all")
+    for k in straight:
+        assert torch.equal(straight[k], resumed[k]), k
+        assert torch.equal(first[k], plain[k]), k

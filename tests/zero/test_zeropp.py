@@ -51,7 +51,7 @@ def test_zeropp_on_two_simulated_nodes():
         "zeropp": {"zero_hpz_partition_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True},
     }
     results = run_ranks(_train, 4, variants, timeout=220, local_world=2)
-    for rank, res in enumerate(results):
+    for res in results:
         base_losses, base_state, base_bwd, base_inter = res["zero3"]
         # hpZ alone changes only where backward gathers come from: bitwise the same training
         hpz_losses, hpz_state, hpz_bwd, _ = res["hpz"]

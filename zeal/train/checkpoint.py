@@ -260,10 +260,24 @@ def _meta(engine: Any, tag: str, client: Any) -> dict:
 
 
 # -- save ---------------------------------------------------------------------------------------
+def _in_memory(engine: Any, writeback: bool):
+    """State kept on disk by ZeRO-Infinity, present in memory for the duration of a save/load."""
+    from zeal.zero.offload_view import in_memory
+
+    p = engine._p
+    home = p.coordinator.coll.home if p.coordinator is not None else None
+    return in_memory(p.zero_optimizer, home, p.units, writeback)
+
+
 def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
     """Write a committed checkpoint ``save_dir/tag`` (default tag ``global_step<N>``);
     returns its path. On any rank's failure every rank raises and the previous
     checkpoints are untouched."""
+    with _in_memory(engine, writeback=False):
+        return _save(engine, save_dir, tag, client_state)
+
+
+def _save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
     comm, rank = engine._p.comm, engine.rank
     root = Path(save_dir)
     tag = cio.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
@@ -453,6 +467,14 @@ def _read_into_engine(engine: Any, pieces: _Pieces, meta: dict, with_optim: bool
 
 def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
+    """Load ``load_dir/tag`` (default: the newest committed tag) into the engine; returns
+    the client state (see :func:`_load`)."""
+    with _in_memory(engine, writeback=True):
+        return _load(engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+
+
+def _load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
+          load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
     """Load ``load_dir/tag`` (default: the newest committed tag) into the engine; returns
     the client state. Raises :class:`CheckpointError` (or its subclass
     :class:`CheckpointCorruptError`) naming the file and the reason; with

@@ -68,6 +68,7 @@ class SwappedZeroOptimizer:
         self.skipped_steps = 0
         self.last_stats = None
         self._staging: dict[int, torch.Tensor] = {}
+        self.masters: list[torch.Tensor] = []  # only inside load_into_memory()
 
     def bind(self, groups: list[dict]) -> None:  # the LR groups are our own
         pass
@@ -104,6 +105,50 @@ class SwappedZeroOptimizer:
             stage[lo - off:hi - off].copy_(piece)
             if hi == off + u.shard_numel:  # the unit's last element: store it whole
                 self.home.put(u, self._staging.pop(u.index))
+
+    # -- whole-state access for checkpoints (see zeal.zero.offload_view) -------------------
+    def load_into_memory(self) -> None:
+        """Read masters and moments into ``self.masters`` / ``self.optimizer.state``."""
+        self.masters = []
+        self.optimizer.state = {}
+        step = self.swapped.steps[0] if self.swapped.steps else 0
+        for u, off in zip(self.units, self.offsets):
+            m = torch.empty(u.shard_numel)
+            self.swapped.read_master(m, off)
+            self.masters.append(m)
+            if step > 0:
+                st = {"step": torch.tensor(float(step))}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = torch.empty(u.shard_numel)
+                    self.swapped.read_state(k, st[k], off)
+                self.optimizer.state[m] = st
+
+    def release_memory(self, writeback: bool) -> None:
+        """Drop the in-memory copy; with ``writeback`` store it (and the step count) first."""
+        if writeback:
+            steps = {int(st["step"]) for st in self.optimizer.state.values() if "step" in st}
+            if len(steps) > 1:
+                raise ValueError(f"units disagree on the Adam step count {sorted(steps)}")
+            step = steps.pop() if steps else 0
+            for off, m in zip(self.offsets, self.masters):
+                self.swapped.write_master(m, off)
+                st = self.optimizer.state.get(m)
+                if st is not None and step > 0:
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        self.swapped.write_state(k, st[k].float(), off)
+            self.swapped.set_steps([step] * len(self.swapped.steps))
+        self.masters = []
+        self.optimizer.state = {}
+
+    @torch.no_grad()
+    def _write_back(self) -> None:
+        """Push the in-memory masters (inside load_into_memory) into the model's shards."""
+        for u, m in zip(self.units, self.masters):
+            if self.stage == 3:
+                self.home.put(u, m)
+            else:
+                u.shard.copy_(m)
+                self.comm.all_gather(u.full, u.shard.clone(), "param")
 
     def nbytes(self) -> int:
         """Optimizer bytes held in memory: the swap buffer pool."""
