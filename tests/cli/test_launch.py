@@ -80,3 +80,15 @@ def test_two_nodes_match_one_node(tmp_path):
     # Same global batch, same rank layout up to order: a 2-rank sum is commutative, so bitwise equal.
     assert a["losses"] == b["losses"] and a["param_sum"] == b["param_sum"]
     assert a["losses"][-1] < a["losses"][0]
+
+
+def test_hostfile_dry_run(tmp_path, capsys):
+    from zeal.cli.main import main
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=3\nnode-b slots=3\n")
+    assert main(["launch", "--hostfile", str(hosts), "--dry-run", "train.py", "--lr", "1"]) == 0
+    cmd = capsys.readouterr().out.split()
+    assert "--nproc-per-node=3" in cmd and "--nnodes=2" in cmd and "--rdzv-endpoint=127.0.0.1:29500" in cmd
+    assert cmd[-3:] == ["train.py", "--lr", "1"]
+    assert main(["launch", "--hostfile", str(tmp_path / "none"), "x.py"]) == 2
