@@ -107,3 +107,19 @@ def test_config_file_and_flags_build_the_spec(tmp_path):
     assert "train_micro_batch_size_per_gpu" not in e  # derived from the user's two batch keys
     assert e["optimizer"] == {"type": "Adam", "params": {"lr": 3e-4}}  # a user's optimizer replaces the default
     assert e["scheduler"]["type"] == "WarmupCosineLR" and e["bf16"]["enabled"] in (True, False)
+
+
+def test_resume_inherits_the_runs_model_and_data(tmp_path):
+    from zeal.cli.main import build_parser
+    from zeal.cli.train import build_spec
+    from zeal.train.job import JobSpec, write_spec
+
+    run = tmp_path / "run"
+    write_spec(JobSpec.model_validate({"model": {"n_layer": 6, "n_embd": 64}, "data": {"seq_len": 64},
+                                       "job": {"run_dir": str(run)}}), run / "config.json")
+    parser, _ = build_parser("train")
+    args, extra = parser.parse_known_args(["train", "--resume", "--run-dir", str(run), "--model.n_embd", "32",
+                                           "--zero-stage", "1"])
+    spec = build_spec(args, extra)
+    assert (spec.model.n_layer, spec.model.n_embd, spec.data.seq_len) == (6, 32, 64)
+    assert spec.engine["zero_optimization"]["stage"] == 1 and spec.job.resume

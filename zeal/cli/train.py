@@ -100,6 +100,8 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         else:
             raise UsageError(f"unknown flag --{'.'.join(path)} (see zeal train --help; dotted flags start "
                              f"with model., data., job. or an engine config key)")
+    if tree["job"].get("resume"):
+        _inherit_from_run(tree, JobSection)
     if tree["job"].get("hf_model") and not tree["data"].get("path"):
         raise UsageError("--model PATH (fine-tuning) needs --data FILE")
     if tree["job"].get("hf_model") and tree["model"]:
@@ -123,6 +125,27 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     except ValueError as e:
         raise UsageError(str(e)) from None
     return spec
+
+
+def _inherit_from_run(tree: dict[str, Any], job_section: Any) -> None:
+    """On resume, the model and data settings default to those the run was started
+    with (read from its config.json), so `zeal train --resume` alone rebuilds the same
+    model; flags given again still win. Engine settings are not inherited: a
+    checkpoint loads under any ZeRO stage and world size."""
+    import json
+
+    run_dir = Path(tree["job"].get("run_dir") or job_section.model_fields["run_dir"].default)
+    saved_path = run_dir / "config.json"
+    if not saved_path.is_file():
+        return
+    try:
+        saved = json.loads(saved_path.read_text())
+    except json.JSONDecodeError:
+        raise UsageError(f"--resume: {saved_path} is not valid JSON") from None
+    for section in ("model", "data"):
+        tree[section] = {**saved.get(section, {}), **tree[section]}
+    if saved.get("job", {}).get("hf_model") and "hf_model" not in tree["job"]:
+        tree["job"]["hf_model"] = saved["job"]["hf_model"]
 
 
 def _example_key(section: str) -> str:
