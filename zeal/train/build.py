@@ -91,6 +91,7 @@ def initialize(
 
     # 4. ZeRO layout
     groups, group_of = _param_groups(model, optimizer)
+    home: MemoryShards | DiskShards = MemoryShards()
     with torch.no_grad():
         if stage < 3:
             for p in model.parameters():
@@ -110,14 +111,18 @@ def initialize(
         else:
             units, needs = build_module_units(model, group_of, ctx.rank, ctx.world_size, dtype, ctx.device)
             replace_meta_parameters(model, units)
+            op = zc.offload_param
+            if op.device == "nvme":  # ZeRO-Infinity: parameter shards live in swap files
+                home = DiskShards(units, _rank_folder(op.nvme_path, ctx.rank), op.buffer_count, op.buffer_size)
             owners = _unit_owners(needs)
-            for u in units:
+            for u in units:  # one unit whole at a time
                 if u.needs_init:
                     materialize_unit(u, owners[u.index], init, cfg.seed)
                 else:
                     comm.broadcast(u.full, 0, "init")
                     u.refresh_shard_from_full()
                 u.free_full()
+                home.adopt(u)
         for b in model.buffers():
             comm.broadcast(b, 0, "init")
     comm.stats.total.clear()
@@ -125,13 +130,9 @@ def initialize(
     # 5. gradient reduction and the stage-3 coordinator
     coordinator = None
     coll = None
-    home: MemoryShards | DiskShards = MemoryShards()
     if stage == 3:
         zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
         topo = build_topology(ctx, comm, zc.zero_hpz_partition_size) if zeropp and ctx.world_size > 1 else None
-        op = zc.offload_param
-        if op.device == "nvme":  # ZeRO-Infinity: parameter shards in swap files
-            home = DiskShards(units, _rank_folder(op.nvme_path, ctx.rank), op.buffer_count, op.buffer_size)
         coll = UnitCollectives(comm, zc, topo, home)
         coordinator = ParamCoordinator(
             model, units, needs, comm, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,

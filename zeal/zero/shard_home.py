@@ -23,6 +23,9 @@ class MemoryShards:
     def done(self, u: FlatUnit) -> None:
         pass
 
+    def adopt(self, u: FlatUnit) -> None:
+        pass
+
     def put(self, u: FlatUnit, values: torch.Tensor) -> None:
         if values.data_ptr() != u.shard.data_ptr():
             u.shard.copy_(values)
@@ -47,9 +50,11 @@ class DiskShards:
         dtype = units[0].dtype if units else torch.float32
         self.swapper = ParamSwapper(sizes, nvme_path, buffer_count=buffer_count, buffer_size=buffer_size,
                                     dtype=dtype)
-        for u in units:  # move every shard out of memory
-            self.swapper.write(str(u.index), u.shard)
-            u.shard = torch.empty(0, dtype=u.dtype, device=u.device)
+
+    def adopt(self, u: FlatUnit) -> None:
+        """Move the unit's (freshly initialised) shard out of memory."""
+        self.swapper.write(str(u.index), u.shard)
+        u.shard = torch.empty(0, dtype=u.dtype, device=u.device)
 
     def get(self, u: FlatUnit) -> torch.Tensor:
         return self.swapper.fetch(str(u.index))

@@ -39,8 +39,12 @@ class FlatUnit:
         self.trainable = self.params[0].requires_grad
         self.group = group
         self.persistent = False  # ZeRO-3: kept gathered (small units)
-        self.full = torch.zeros(self.padded, dtype=dtype, device=device)
         self.needs_init = any(p.is_meta for p in self.params)
+        # A partitioned unit built from meta parameters gets no storage until it is
+        # materialised, so building a model never holds more than one unit whole.
+        lazy = partitioned and self.needs_init
+        # (untouched pages of an empty tensor cost no memory; lazy units free it below)
+        self.full = (torch.empty if lazy else torch.zeros)(self.padded, dtype=dtype, device=device)
         self.replaced: dict[int, nn.Parameter] = {}  # id(meta parameter) -> its materialised successor
         for i, (slot, p) in enumerate(zip(self.slots, self.params)):
             view = self.full[slot.offset:slot.end].view(slot.shape)
@@ -56,8 +60,11 @@ class FlatUnit:
                 p.data = view
         self.shard = self.full[self.start:self.end]
         if partitioned:
-            self.shard = self.shard.clone()
+            self.shard = torch.empty(0, dtype=dtype, device=device) if lazy else self.shard.clone()
         self.gathered = True
+        if lazy:  # views are in place; storage comes back with alloc_full()
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
 
     # -- storage of the full buffer (partitioned units only) ---------------------------
     def free_full(self) -> None:
@@ -74,6 +81,8 @@ class FlatUnit:
     def refresh_shard_from_full(self) -> None:
         """After ``full`` was written whole (init, broadcast), take this rank's slice."""
         if self.partitioned:
+            if self.shard.numel() != self.shard_numel:
+                self.shard = torch.empty(self.shard_numel, dtype=self.dtype, device=self.device)
             self.shard.copy_(self.full[self.start:self.end])
 
     def nbytes_shard(self) -> int:
