@@ -96,28 +96,28 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor, kind: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if not self.active:
-            return _Done()
+            return Done()
         self._account("all_reduce", kind, t.numel(), t.element_size(), factor=2)
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or _Done()
+        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or Done()
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, kind: str, async_op: bool = False):
         """``out`` (n·s elements) receives every rank's ``shard`` (s elements) in rank order."""
         if not self.active:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard.view(out.shape))
-            return _Done()
+            return Done()
         self._account("all_gather", kind, out.numel(), out.element_size())
         with torch.autograd._unsafe_preserve_version_counter(out):
             work = dist.all_gather_into_tensor(out, shard, group=self.group, async_op=async_op)
-        return work or _Done()
+        return work or Done()
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, kind: str, async_op: bool = False):
         """``out`` (s elements) receives the sum over ranks of this rank's chunk of ``full``."""
         if not self.active:
             out.copy_(full.view(out.shape))
-            return _Done()
+            return Done()
         self._account("reduce_scatter", kind, full.numel(), full.element_size())
-        return dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op) or _Done()
+        return dist.reduce_scatter_tensor(out, full, group=self.group, async_op=async_op) or Done()
 
     def broadcast(self, t: torch.Tensor, src: int, kind: str) -> None:
         if not self.active:
@@ -136,7 +136,9 @@ class Comm:
         return float(t.item())
 
 
-class _Done:
+class Done:
+    """The handle of a collective that already finished (or never had to run)."""
+
     def wait(self) -> bool:
         return True
 

@@ -9,6 +9,7 @@ micro-batch (as in DeepSpeed): ``backward`` scales the loss by 1/accumulation
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
 from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.units import FlatUnit
+
+log = logging.getLogger("zeal")
 
 
 @dataclass
@@ -164,6 +167,11 @@ class TrainEngine:
         self.global_steps += 1
         p.comm.stats.end_step()
         self._tick("step", t0)
+        if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
+            lr = self.lr_scheduler.get_last_lr() if hasattr(self.lr_scheduler, "get_last_lr") else \
+                [g["lr"] for g in self.optimizer.param_groups]
+            log.info("step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%s", self.global_steps, self.skipped_steps,
+                     lr, self.get_global_grad_norm(), self.loss_scale)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (they are also dropped after every step)."""

@@ -21,6 +21,7 @@ Results are sums; :meth:`reduced_grad` divides by the world size (mean).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -132,8 +133,6 @@ class GradReducer:
 
     def finish_backward(self) -> None:
         """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
-        import time
-
         t0 = time.perf_counter()
         if self._communicates():
             for u in self.units:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zeal.config.schema import ZeroConfig
-from zeal.dist.comm import Comm, _Done
+from zeal.dist.comm import Comm, Done
 from zeal.dist.context import DistContext
 from zeal.dist.quant import quantized_all_gather, quantized_nbytes, quantized_reduce_scatter
 from zeal.zero.shard_home import DiskShards, MemoryShards
@@ -86,7 +86,7 @@ class UnitCollectives:
         shard = self.home.get(u)
         if self.zc.zero_quantized_weights and self.world.active:
             self._quantized_gather(u, shard)
-            work = _Done()
+            work = Done()
         else:
             work = self.world.all_gather(u.full, shard, "param", async_op=True)
         if self.home.on_disk:  # the swap buffer goes back to the pool once sent
@@ -136,4 +136,4 @@ class UnitCollectives:
         mean = quantized_reduce_scatter(flat, self.topo.intra.group, self.topo.inter.group, bits=bits,
                                         block_size=block, record=record)
         out.copy_(mean.mul_(n))
-        return _Done()
+        return Done()
