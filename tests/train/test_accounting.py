@@ -145,3 +145,26 @@ def test_a_failing_rank_fails_the_run_fast():
     with pytest.raises(RuntimeError, match="boom on rank 1"):
         run_ranks(_raise_on_rank1, 2, timeout=50)
     assert time.monotonic() - t0 < 40
+
+
+def _accumulation_traffic(rank, world):
+    import zeal
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(0)
+        engine = zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                             "zero_optimization": {"stage": stage}})
+        stats = engine._p.comm.stats
+        x, y = make_batches(1, 1, world, 2)[0][0][rank]
+        engine.backward(engine((x, y)))  # a non-boundary micro-step
+        out[stage] = sum(c.calls for (op, kind), c in stats.step.items() if kind == "grad")
+        engine.step()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_no_gradient_traffic_on_non_boundary_micro_steps_for_stages_0_and_1():
+    for res in run_ranks(_accumulation_traffic, 2, timeout=100):
+        assert res[0] == 0 and res[1] == 0, res
+        assert res[2] > 0 and res[3] > 0, res  # stages 2-3 reduce every micro-step (memory), as DeepSpeed
