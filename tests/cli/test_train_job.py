@@ -20,7 +20,7 @@ SHORT = ["--data.max_bytes", "1000000", "--job.eval_batches", "2", "--job.log_in
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("zeal-cache")
-    return dict(os.environ, PYTHONPATH=str(ROOT), ZEAL_CACHE_DIR=str(cache), PYTHONWARNINGS="ignore::FutureWarning")
+    return dict(os.environ, PYTHONPATH=str(ROOT), ZEAL_CACHE=str(cache), PYTHONWARNINGS="ignore::FutureWarning")
 
 
 def zeal(env: dict, *args: str, timeout: float = 170) -> str:

@@ -21,13 +21,15 @@ from pydantic import ValidationError
 from zeal.cli.overrides import UsageError, load_mapping, parse_dotted, set_path
 
 JOB_SECTIONS = ("model", "data", "job")
+SMOLLM2_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
 
 EXAMPLES = """examples:
   zeal train                                   the default job (GPT from scratch, 2 processes, ZeRO-3)
   zeal train --steps 100 --zero-stage 2 --nproc 4
   zeal train --config ds_config.json --model.n_layer 8
   zeal train --resume                          continue from the latest checkpoint in the run folder
-  zeal train --model ./SmolLM2-135M --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
+  zeal train --model ./my-hf-model --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
+  zeal train --model smollm2 --data chats.jsonl --steps 20 fine-tune SmolLM2-135M-Instruct (offline copy, zeal[serve])
 """
 
 
@@ -43,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     p.add_argument("--run-dir", help="run folder (default runs/default)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run folder")
-    p.add_argument("--model", dest="hf_model", metavar="PATH", help="fine-tune this Hugging Face folder")
+    p.add_argument("--model", dest="hf_model", metavar="PATH",
+                   help="fine-tune this Hugging Face folder ('smollm2' = the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--data", metavar="FILE", help=".txt or .jsonl training text (default: Python stdlib source)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto = bf16 where native (default)")
     p.add_argument("--micro-batch", type=int, help="train_micro_batch_size_per_gpu (default 8)")
@@ -102,6 +105,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
                              f"with model., data., job. or an engine config key)")
     if tree["job"].get("resume"):
         _inherit_from_run(tree, JobSection)
+    if tree["job"].get("hf_model") in SMOLLM2_NAMES:
+        from zeal.models.hf import default_model_path
+
+        tree["job"]["hf_model"] = str(default_model_path())  # the offline copy the serving extra installs
     if tree["job"].get("hf_model") and not tree["data"].get("path"):
         raise UsageError("--model PATH (fine-tuning) needs --data FILE")
     if tree["job"].get("hf_model") and tree["model"]:

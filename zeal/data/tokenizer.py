@@ -3,7 +3,7 @@
 The tokenizer is a plain ``tokenizers.Tokenizer`` (GPT-2 style: byte-level
 pre-tokenization, so every string round-trips). It is trained once per
 (corpus digest, settings) and stored as JSON under the zeal cache folder
-(``$ZEAL_CACHE_DIR`` or ``~/.cache/zeal``). Several processes may ask for the
+(``$ZEAL_CACHE`` or ``~/.cache/zeal``). Several processes may ask for the
 same file at once: one builds it under a lock file, the others wait, and the
 file appears atomically (written aside, then renamed).
 """
@@ -26,8 +26,8 @@ TOKENIZER_FORMAT = 1
 
 
 def cache_dir() -> Path:
-    """Root of zeal's caches: ``$ZEAL_CACHE_DIR``, else ``~/.cache/zeal``."""
-    root = os.environ.get("ZEAL_CACHE_DIR") or Path.home() / ".cache" / "zeal"
+    """Root of zeal's caches: ``$ZEAL_CACHE``, else ``~/.cache/zeal`` (shared with zeal.models.hf)."""
+    root = os.environ.get("ZEAL_CACHE") or Path.home() / ".cache" / "zeal"
     return Path(root)
 
 

@@ -194,7 +194,9 @@ def prepare_data(spec: JobSpec) -> tuple[Any, Any]:
     else:
         tokenizer = load_or_train_tokenizer(corpus, d.vocab_size)
     ids = load_or_encode(corpus, tokenizer)
-    return tokenizer, TokenBlocks.split(ids, d.seq_len, d.heldout_fraction, d.seed)
+    # at least one held-out block per rank, so every rank evaluates the same number of batches
+    world = max(spec.job.nproc if not os.environ.get("WORLD_SIZE") else 1, int(os.environ.get("WORLD_SIZE", 1)))
+    return tokenizer, TokenBlocks.split(ids, d.seq_len, d.heldout_fraction, d.seed, min_heldout=world)
 
 
 def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module | Callable[[], torch.nn.Module]:
@@ -208,7 +210,11 @@ def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module | Callable[[]
             raise ValueError("job.hf_model needs the 'transformers' package (pip install 'zeal[hf]')") from None
         if not (Path(spec.job.hf_model) / "config.json").is_file():
             raise ValueError(f"job.hf_model {spec.job.hf_model!r} is not a Hugging Face folder (no config.json)")
-        return AutoModelForCausalLM.from_pretrained(spec.job.hf_model, torch_dtype=torch.float32)
+        import transformers
+
+        # fp32 weights: the engine keeps its own compute copy (bf16) and fp32 masters
+        key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        return AutoModelForCausalLM.from_pretrained(spec.job.hf_model, **{key: torch.float32})
     from zeal.models import GPT, GPTConfig
 
     m = spec.model
