@@ -30,6 +30,7 @@ from zeal.precision.loss_scaler import LossScaler
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.lr_schedules import build_scheduler
 from zeal.zero.grad_sync import GradReducer
+from zeal.zero.offload.host_memory import return_freed_memory_eagerly
 from zeal.zero.optimizer import ZeroOptimizer
 from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.shard_home import DiskShards, MemoryShards
@@ -76,6 +77,8 @@ def initialize(
     comm = Comm(ctx)
     zc = cfg.zero_optimization
     stage = zc.stage
+    if "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
+        return_freed_memory_eagerly()  # host memory is the budget the disk tier defends
 
     # 2. the model
     if not isinstance(model, nn.Module):

@@ -42,7 +42,8 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler
         scaler.update(bad)
         if bad:
             return False, float("inf")
-    sq = sum(float(g.double().pow(2).sum()) for g in grads) if grads else 0.0
+    # per-tensor fp32 norms (no full-size temporaries), summed in double
+    sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
     if stage > 0:
         sq = comm.all_reduce_scalar(sq, "sum")
     norm = math.sqrt(sq)
