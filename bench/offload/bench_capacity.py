@@ -113,10 +113,12 @@ def main() -> None:
                     n_head=args.n_head).num_parameters()
     total_mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     print(f"model: {psi / 1e9:.3f}B parameters; machine memory {total_mem / 2**30:.1f} GiB")
+    floor = args.nproc * 0.5 * 2**30 + 1 * 2**30  # torch + gloo per process, and the OS
     for stage in (0, 1, 2, 3):
         need = model_state_bytes(psi, args.nproc, stage).total * args.nproc
+        verdict = "cannot start" if need + floor > total_mem else "fits"
         print(f"  without offload, ZeRO-{stage} on {args.nproc} ranks needs {need / 2**30:.1f} GiB of model "
-              f"states in all ({'does not fit' if need > total_mem else 'fits'})")
+              f"states in all, + {floor / 2**30:.1f} GiB runtime floor, before activations: {verdict}")
     w_bw, r_bw = disk_bandwidth(args.path)
     print(f"disk: sequential write {w_bw / 2**30:.2f} GiB/s, read {r_bw / 2**30:.2f} GiB/s (dd, direct I/O)")
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 2) // args.nproc)))

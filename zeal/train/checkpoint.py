@@ -59,7 +59,7 @@ def _gather_str(comm: Any, s: str, width: int = 8192) -> list[str]:
     buf = torch.zeros(width, dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     out = torch.zeros(width * comm.size, dtype=torch.uint8)
-    dist.all_gather_into_tensor(out, buf, group=comm.group)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, buf, group=comm.group)
     return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode(errors="replace")
             for i in range(comm.size)]
 
