@@ -75,7 +75,11 @@ class ZeroConfig(Section):
     contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous buffers (always on).")
     reduce_scatter: bool = Field(True, description="Use reduce-scatter for partitioned gradients (always on).")
     allgather_partitions: bool = Field(True, description="All-gather updated partitions (always on).")
-    stage3_prefetch_bucket_size: int = Field(50_000_000, ge=0, description="Parameter elements prefetched ahead of use.")
+    stage3_prefetch_bucket_size: int = Field(
+        1_000_000, ge=0,
+        description="Parameter elements prefetched ahead of use along the recorded order (at least the next "
+        "module). DeepSpeed's default is 5e7, which on small models gathers nearly everything at once.",
+    )
     stage3_param_persistence_threshold: int = Field(100_000, ge=0, description="Modules with at most this many parameter elements stay gathered.")
     stage3_max_live_parameters: int = Field(1_000_000_000, ge=0, description="Gathered elements above which prefetch stops.")
     stage3_max_reuse_distance: int = Field(
