@@ -48,6 +48,7 @@ def test_warmup_schedules():
     assert warmup_decay_lr(25, 20, 0.0, 1.0, 10, "linear") == 0.0
     assert math.isclose(warmup_cosine_ratio(10, 20, 0.0, 10, 0.0, "linear"), 1.0)
     assert math.isclose(warmup_cosine_ratio(15, 20, 0.0, 10, 0.0, "linear"), 0.5)
+    assert warmup_cosine_ratio(0, total_num_steps=2, warmup_num_steps=1) == 0.0  # no 0/0 for a 1-step warm-up
 
 
 def test_scheduler_steps_the_optimizer():

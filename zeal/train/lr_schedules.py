@@ -13,8 +13,8 @@ def warmup_factor(step: int, warmup_num_steps: int, warmup_type: str) -> float:
     """Fraction of warm-up done at ``step`` (1.0 when finished): log or linear."""
     if warmup_num_steps <= 0 or step >= warmup_num_steps:
         return 1.0
-    if warmup_type == "log":
-        return math.log(step + 1) / math.log(warmup_num_steps)
+    if warmup_type == "log":  # log(1) = 0 would divide by zero: a 1-step warm-up counts as 2
+        return math.log(step + 1) / math.log(max(2, warmup_num_steps))
     return step / warmup_num_steps
 
 
