@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from zeal.config.schema import ZeroConfig
-from zeal.dist.comm import Comm, Done
+from zeal.dist.comm import Comm, Done, _all_gather_flat
 from zeal.dist.context import DistContext
-from zeal.dist.quant import quantized_all_gather, quantized_nbytes, quantized_reduce_scatter
+from zeal.dist.quant import dequantize_rows, quantize_rows, quantized_nbytes, quantized_reduce_scatter
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
 
@@ -65,6 +65,21 @@ def build_topology(ctx: DistContext, world: Comm, hpz_size: int) -> Topology:
     return Topology(comms["intra"], comms["inter"], comms["hpz"], ctx.rank % hpz_size)
 
 
+class Then:
+    """A handle: wait for ``works``, then run ``fn`` once."""
+
+    def __init__(self, works: list, fn) -> None:
+        self.works, self.fn, self.done = works, fn, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.fn()
+            self.done = True
+        return True
+
+
 @dataclass
 class UnitCollectives:
     """The stage-3 gather and gradient-reduce strategies (plain or ZeRO++)."""
@@ -80,34 +95,48 @@ class UnitCollectives:
         return self.topo is not None and self.zc.zero_hpz_partition_size > 1
 
     def gather(self, u: FlatUnit, backward: bool):
-        """Fill ``u.full`` (storage allocated) from the shards; returns a handle with wait()."""
+        """Start filling ``u.full`` (storage allocated) from the shards; returns a handle
+        whose ``wait()`` completes the gather (dequantize, keep the hpZ secondary, give
+        a swap buffer back), so prefetch overlaps every variant."""
         if backward and u.index in self.secondary:  # hpZ: inside the group only
             return self.topo.hpz.all_gather(u.full, self.secondary[u.index], "param", async_op=True)
         shard = self.home.get(u)
         if self.zc.zero_quantized_weights and self.world.active:
-            self._quantized_gather(u, shard)
-            work = Done()
+            work = self._quantized_gather(u, shard)
         else:
             work = self.world.all_gather(u.full, shard, "param", async_op=True)
-        if self.home.on_disk:  # the swap buffer goes back to the pool once sent
+        if self.home.on_disk:  # give the swap buffer back at once: prefetch must never exhaust the pool
             work.wait()
             self.home.done(u)
         if self.hpz:
-            work.wait()
             g = self.topo.hpz.size
-            s = u.padded // g
-            self.secondary[u.index] = u.full[self.topo.hpz_index * s:(self.topo.hpz_index + 1) * s].clone()
+            lo = self.topo.hpz_index * (u.padded // g)
+
+            def keep_secondary() -> None:
+                self.secondary[u.index] = u.full[lo:lo + u.padded // g].clone()
+
+            work = Then([work], keep_secondary)
         return work
 
-    def _quantized_gather(self, u: FlatUnit, shard: torch.Tensor) -> None:
+    def _quantized_gather(self, u: FlatUnit, shard: torch.Tensor) -> Then:
+        """qwZ: all-gather int8 codes and fp32 block scales; dequantize on wait()."""
         bits, block = self.zc.zero_quantized_weights_bits, self.zc.zero_quantization_block_size
-        n = self.world.size
-        full = quantized_all_gather(shard, self.world.group, bits=bits, block_size=block)
-        with torch.autograd._unsafe_preserve_version_counter(u.full):
-            u.full.copy_(full)
+        n, group = self.world.size, self.world.group
+        data, scales = quantize_rows(shard.reshape(1, -1), bits, block)
+        all_data = data.new_empty((n, data.shape[1]))
+        all_scales = scales.new_empty((n, scales.shape[1]))
+        works = [_all_gather_flat(all_data, data, group=group, async_op=True),
+                 _all_gather_flat(all_scales, scales, group=group, async_op=True)]
         sent = quantized_nbytes(u.shard_numel, bits, block)
         self.world.stats.record("qwz_all_gather", "param", u.padded, sent * (n - 1),
                                 sent * self.world._remote_peers)
+
+        def dequantize() -> None:
+            full = dequantize_rows(all_data, all_scales, u.shard_numel, bits, block, u.dtype).view(-1)
+            with torch.autograd._unsafe_preserve_version_counter(u.full):
+                u.full.copy_(full)
+
+        return Then(works, dequantize)
 
     def refresh(self, u: FlatUnit) -> None:
         """All-gather a persistent unit after its shard changed (full precision)."""
