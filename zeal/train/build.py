@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from zeal.config import Config, ConfigError, load_config
+from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.comm import Comm
 from zeal.dist.context import init_distributed
 from zeal.precision.loss_scaler import LossScaler
@@ -170,8 +171,8 @@ def initialize(
     scheduler = _scheduler(cfg, lr_scheduler, inner)
     loader = None
     if training_data is not None:
-        sampler = torch.utils.data.distributed.DistributedSampler(
-            training_data, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=True, seed=cfg.seed)
+        sampler = ResumableDistributedSampler(len(training_data), ctx.world_size, ctx.rank, seed=cfg.seed,
+                                              batch_size=micro)
         loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler, drop_last=True)
     comm.stats.step.clear()
     parts = EngineParts(model, cfg, ctx, comm, units, reducer, zopt, coordinator, scaler, scheduler, loader,

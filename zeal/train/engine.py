@@ -255,9 +255,13 @@ class TrainEngine:
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
         from zeal.train import checkpoint
 
-        return checkpoint.load(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        client = checkpoint.load(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                                 load_lr_scheduler_states=load_lr_scheduler_states,
+                                 load_module_only=load_module_only)
+        sampler = getattr(self.dataloader, "sampler", None)
+        if hasattr(sampler, "set_position"):  # the data position follows from the samples consumed
+            sampler.set_position(self.global_samples)
+        return client
 
     # -- helpers -----------------------------------------------------------------------------
     def _to_device(self, batch: Any) -> Any:
