@@ -145,14 +145,20 @@ class GPT(nn.Module):
         """Plain sampling without a KV cache (the serving engine lives in ``zeal.inference``)."""
         for _ in range(max_new_tokens):
             ctx = input_ids[:, -self.config.n_positions :]
-            logits = self(ctx)[:, -1].float()
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            nxt = sample_next(self(ctx)[:, -1], temperature, top_k, generator)
             input_ids = torch.cat([input_ids, nxt], dim=1)
         return input_ids
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B, 1) from last-position logits (B, V): greedy at temperature
+    <= 0, else temperature and optional top-k sampling."""
+    logits = logits.float()
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)

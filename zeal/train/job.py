@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeal.models.gpt import sample_next
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
 
 
@@ -261,15 +262,8 @@ def sample(engine: Any, tokenizer: Any, prompt: str, max_new_tokens: int, temper
     ids = torch.tensor([tokenizer.encode(prompt).ids or [0]], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(max_new_tokens):
-        logits = _logits_of(engine({"input_ids": ids[:, -seq_len:]}))[:, -1].float()
-        if temperature <= 0:
-            nxt = logits.argmax(-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
+        logits = _logits_of(engine({"input_ids": ids[:, -seq_len:]}))[:, -1]
+        nxt = sample_next(logits, temperature, top_k, gen)
         if engine.world_size > 1:
             torch.distributed.broadcast(nxt, src=0)
         ids = torch.cat([ids, nxt], dim=1)
