@@ -19,6 +19,8 @@ def _meta_build(rank, world):
                                                                       "stage3_param_persistence_threshold": 0}})
     mem = engine.memory_breakdown()
     assert mem["gathered_now"] == 0
+    # no unit keeps its full buffer after materialisation (persistent ones aside)
+    assert all(u.full.untyped_storage().nbytes() == 0 for u in engine._p.units if not u.persistent)
     state = engine.module_state_dict()
     x = torch.randint(0, 64, (2, 16))
     for _ in range(2):  # a model built from meta trains

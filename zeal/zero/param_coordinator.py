@@ -73,7 +73,6 @@ class ParamCoordinator:
         if u.gathered or u.index in self._inflight:
             return
         u.alloc_full()
-        u.gathered = True
         self._inflight[u.index] = self.coll.gather(u, backward=self._in_backward)
 
     def _wait(self, u: FlatUnit) -> None:

@@ -77,6 +77,7 @@ class FlatUnit:
         """Give ``full`` its storage back (contents undefined until gathered)."""
         if not self.gathered:
             self.full.untyped_storage().resize_(self.padded * self.full.element_size())
+            self.gathered = True
 
     def refresh_shard_from_full(self) -> None:
         """After ``full`` was written whole (init, broadcast), take this rank's slice."""
