@@ -209,6 +209,7 @@ class TrainEngine:
             "frozen": frozen,
         }
         out["total"] = out["params"] + out["grads"] + out["optimizer"]
+        out["grad_buffers"] = p.reducer.buffer_nbytes()  # reused reduction buffers, not gradients
         # the other tiers (ZeRO-Offload / ZeRO-Infinity)
         out["param_swap_buffers"] = home.cpu_bytes(p.units) if on_disk else 0
         out["params_disk"] = home.disk_bytes() if on_disk else 0

@@ -48,6 +48,8 @@ class GradReducer:
         self.full_grads: dict[int, torch.Tensor] = {}
         self.acc: dict[int, torch.Tensor] = {}       # summed shard per unit (stage 1: at boundary; 2/3: accumulated)
         self._flat: dict[int, torch.Tensor] = {}     # transient flat grads (scatter_every_step)
+        self._got: dict[int, set[int]] = {}          # which slots of a transient flat grad are filled
+        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # buffers to reuse
         self._pending: list[tuple[FlatUnit, object, torch.Tensor | None, torch.Tensor | None]] = []
         self._inflight = 0
         self._ready_count: dict[int, int] = {}
@@ -89,9 +91,11 @@ class GradReducer:
         if self.mode == "scatter_every_step":
             flat = self._flat.get(u.index)
             if flat is None:
-                flat = self._flat[u.index] = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+                flat = self._flat[u.index] = self._take(u.padded, u)
+                self._got[u.index] = set()
             slot = u.slots[i]
             flat[slot.offset:slot.end].copy_(p.grad.reshape(-1))
+            self._got[u.index].add(i)
             p.grad = None
         self._ready_count[u.index] += 1
         if (self.overlap and self._communicates() and self._ready_count[u.index] == len(u.params)):
@@ -111,8 +115,14 @@ class GradReducer:
         else:
             flat = self._flat.pop(u.index, None)
             if flat is None:  # no parameter of this unit received a gradient
-                flat = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
-            out = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
+                flat = self._take(u.padded, u).zero_()
+            else:
+                got = self._got.pop(u.index)
+                for i, slot in enumerate(u.slots):
+                    if i not in got:  # an unused parameter contributes zeros
+                        flat[slot.offset:slot.end].zero_()
+                flat[u.numel:].zero_()  # padding
+            out = self._take(u.shard_numel, u)
             work = self._scatter(out, flat)
             self._pending.append((u, work, out, flat))
             if self.on_grads_taken is not None:  # stage 3: the gathered parameters may go
@@ -123,13 +133,23 @@ class GradReducer:
 
     def _drain(self, keep: int = 0) -> None:
         while len(self._pending) > keep:
-            u, work, out, _flat = self._pending.pop(0)
+            u, work, out, flat = self._pending.pop(0)
             work.wait()
             self._inflight -= u.padded
             if self.mode == "scatter_at_boundary":
                 self.acc[u.index] = out
             elif self.mode == "scatter_every_step":
                 self.acc[u.index].add_(out)
+                self._give(flat)
+                self._give(out)
+
+    # -- reusable flat buffers: no fresh allocation (page faults, zero-fill) per unit per step
+    def _take(self, numel: int, u: FlatUnit) -> torch.Tensor:
+        free = self._pool.get((numel, u.dtype))
+        return free.pop() if free else torch.empty(numel, dtype=u.dtype, device=u.device)
+
+    def _give(self, t: torch.Tensor) -> None:
+        self._pool.setdefault((t.numel(), t.dtype), []).append(t)
 
     def finish_backward(self) -> None:
         """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
@@ -161,6 +181,10 @@ class GradReducer:
             self._flat_acc.zero_()
         else:
             self.acc.clear()
+
+    def buffer_nbytes(self) -> int:
+        """Bytes of reusable flat buffers kept between steps (bounded by what was in flight)."""
+        return sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
 
     def nbytes(self) -> int:
         """Persistent gradient bytes held by this rank."""
