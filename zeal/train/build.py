@@ -78,8 +78,10 @@ def initialize(
     comm = Comm(ctx)
     zc = cfg.zero_optimization
     stage = zc.stage
-    if "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
-        return_freed_memory_eagerly()  # host memory is the budget the disk tier defends
+    if stage == 3 or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
+        # Stage 3 and the disk tier exist to bound memory; on CPU their per-step gather and
+        # gradient buffers would otherwise stay resident as freed-but-kept heap.
+        return_freed_memory_eagerly()
 
     # 2. the model
     if not isinstance(model, nn.Module):

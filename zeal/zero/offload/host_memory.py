@@ -1,6 +1,6 @@
 """Make freed host memory go back to the OS promptly (glibc only).
 
-The disk tier exists to bound host memory. Stage 3 allocates and frees gathered
+Stage 3 and the disk tier exist to bound host memory. Stage 3 allocates and frees gathered
 units and gradient buffers of tens of MB every step; glibc serves allocations
 below its (dynamic, up to 32 MB) mmap threshold from the heap, where freed
 blocks fragment and stay resident. Pinning the threshold at 1 MB makes every
