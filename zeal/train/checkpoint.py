@@ -26,12 +26,10 @@ write-back after a load. All ranks must call :func:`save` / :func:`load`.
 
 from __future__ import annotations
 
-import base64
 import copy
 import dataclasses
 import json
 import logging
-import random
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from safetensors import safe_open
 
 from zeal.train import checkpoint_io as cio
 from zeal.train.checkpoint_io import CheckpointCorruptError, CheckpointError, TensorSpec
+from zeal.train.checkpoint_state import join_client, rng_state, set_rng_state, split_client
 from zeal.zero.partition import slot_overlap
 
 log = logging.getLogger("zeal")
@@ -151,63 +150,6 @@ def _rank_specs(engine: Any) -> tuple[list[TensorSpec], dict]:
     return specs, {"pieces": pieces, "scalars": scalars}
 
 
-# -- RNG and client state -------------------------------------------------------------------------
-def _rng_state() -> dict:
-    py = random.getstate()
-    out: dict = {"python": [py[0], list(py[1]), py[2]],
-                 "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
-    try:
-        import numpy as np
-
-        s = np.random.get_state()
-        out["numpy"] = [s[0], s[1].tolist(), int(s[2]), int(s[3]), float(s[4])]
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
-    return out
-
-
-def _set_rng_state(s: dict) -> None:
-    random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(s["torch"])), dtype=torch.uint8))
-    if "numpy" in s:
-        import numpy as np
-
-        n = s["numpy"]
-        np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(s["cuda"])), dtype=torch.uint8))
-
-
-def _split_client(obj: Any, tensors: list[TensorSpec], path: str = "client_state") -> Any:
-    if isinstance(obj, torch.Tensor):
-        key = f"client/{len(tensors)}"
-        t = obj.detach().cpu()
-        tensors.append(TensorSpec(key, t.dtype, tuple(t.shape), lambda t=t: t))
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        if not all(isinstance(k, str) for k in obj):
-            raise CheckpointError(f"{path}: dictionary keys must be strings")
-        return {k: _split_client(v, tensors, f"{path}[{k!r}]") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_split_client(v, tensors, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise CheckpointError(f"{path}: {type(obj).__name__} is not JSON-serialisable (use numbers, strings, "
-                          "lists, dicts or tensors)")
-
-
-def _join_client(obj: Any, reader: Any) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {"__tensor__"}:
-            return reader.get_tensor(obj["__tensor__"])
-        return {k: _join_client(v, reader) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_join_client(v, reader) for v in obj]
-    return obj
-
-
 def model_info(module: torch.nn.Module) -> dict:
     """Class and JSON config of the model (what export needs)."""
     cfg = getattr(module, "config", None)
@@ -301,11 +243,11 @@ def _save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict
     client_tensors: list[TensorSpec] = []
     report = ""
     try:
-        client = _split_client(client_state or {}, client_tensors)
+        client = split_client(client_state or {}, client_tensors)
         specs, index = _rank_specs(engine)
         if rank == 0:
             specs += client_tensors
-        index.update(rank=rank, world_size=engine.world_size, rng=_rng_state())
+        index.update(rank=rank, world_size=engine.world_size, rng=rng_state())
         sha, size = cio.write_safetensors(tmp / rank_file(rank), specs, {"zeal": json.dumps(index)})
         report = json.dumps([rank_file(rank), sha, size])
     except (OSError, CheckpointError, RuntimeError) as e:
@@ -535,8 +477,8 @@ def _load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_sta
     engine.global_samples = meta["global_samples"]
     p.zero_optimizer.skipped_steps = meta["skipped_steps"]
     if rng is not None:
-        _set_rng_state(rng)
-    return _join_client(meta["client_state"], _ClientReader(pieces))
+        set_rng_state(rng)
+    return join_client(meta["client_state"], _ClientReader(pieces))
 
 
 class _ClientReader:
