@@ -89,14 +89,20 @@ class GradReducer:
     def _on_grad(self, p: torch.Tensor) -> None:
         u, i = self._slot_of[id(p)]
         if self.mode == "scatter_every_step":
-            flat = self._flat.get(u.index)
-            if flat is None:
-                flat = self._flat[u.index] = self._take(u.padded, u)
-                self._got[u.index] = set()
-            slot = u.slots[i]
-            flat[slot.offset:slot.end].copy_(p.grad.reshape(-1))
-            self._got[u.index].add(i)
+            g = p.grad
             p.grad = None
+            if len(u.slots) == 1 and u.padded == u.numel and g.is_contiguous() and g.dtype == u.dtype:
+                # a lone unpadded parameter (an embedding): its gradient is the flat buffer
+                self._flat[u.index] = g.view(-1)
+                self._got[u.index] = {0}
+            else:
+                flat = self._flat.get(u.index)
+                if flat is None:
+                    flat = self._flat[u.index] = self._take(u.padded, u)
+                    self._got[u.index] = set()
+                slot = u.slots[i]
+                flat[slot.offset:slot.end].copy_(g.reshape(-1))
+                self._got[u.index].add(i)
         self._ready_count[u.index] += 1
         if (self.overlap and self._communicates() and self._ready_count[u.index] == len(u.params)):
             self._launch(u)
@@ -149,7 +155,8 @@ class GradReducer:
         return free.pop() if free else torch.empty(numel, dtype=u.dtype, device=u.device)
 
     def _give(self, t: torch.Tensor) -> None:
-        self._pool.setdefault((t.numel(), t.dtype), []).append(t)
+        if t._base is None:  # not a view of an autograd gradient
+            self._pool.setdefault((t.numel(), t.dtype), []).append(t)
 
     def finish_backward(self) -> None:
         """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
