@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeal.inference.attention import AttentionMetadata, PrefillChunk, paged_attention
+from zeal.inference.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    group_by_width,
+    paged_attention,
+)
 from zeal.models.llama import dense_causal_attention
 
 
@@ -70,3 +76,49 @@ def test_paged_equals_dense(nh, nkv):
         n = lens[i] - split[i]
         torch.testing.assert_close(out2[row2 : row2 + n], ref[split[i] :])
         row2 += n
+
+
+def test_group_by_width_partitions_and_prices_groups():
+    widths = [1, 30, 2, 29, 3, 31, 1, 28]
+    groups = group_by_width(widths, group_cost=4)
+    assert sorted(sum(groups, [])) == list(range(len(widths)))
+    assert [sorted(widths[i] for i in g) for g in groups] == [[1, 1, 2, 3], [28, 29, 30, 31]]
+    assert group_by_width([5] * 6) == [list(range(6))]  # equal widths: one group
+    assert group_by_width([]) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nh,nkv", [(4, 2), (6, 1)])
+def test_grouped_decodes_equal_dense(nh, nkv):
+    """Decode tokens of very different context lengths, attended in several width groups."""
+    torch.manual_seed(1)
+    hd, bs, nblocks = 8, 4, 128
+    lens = [2, 3, 9, 17, 30, 41, 5, 60]  # tokens per sequence; the last one is this pass's decode token
+    perm = torch.randperm(nblocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        k = -(-n // bs)
+        tables.append(perm[used : used + k])
+        used += k
+    kc, vc = torch.zeros(nblocks, bs, nkv, hd), torch.zeros(nblocks, bs, nkv, hd)
+    qs = [torch.randn(n, nh, hd) for n in lens]
+    ks = [torch.randn(n, nkv, hd) for n in lens]
+    vs = [torch.randn(n, nkv, hd) for n in lens]
+    for i, n in enumerate(lens):  # the cached prefix of every sequence
+        for p in range(n - 1):
+            kc[tables[i][p // bs], p % bs], vc[tables[i][p // bs], p % bs] = ks[i][p], vs[i][p]
+    q = torch.stack([x[-1] for x in qs])
+    k = torch.stack([x[-1] for x in ks])
+    v = torch.stack([x[-1] for x in vs])
+    slots = torch.tensor([tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    groups = group_by_width([len(t) for t in tables], group_cost=0)
+    assert len(groups) > 2
+    meta = AttentionMetadata(slots)
+    for g in groups:
+        w = max(len(tables[i]) for i in g)
+        meta.decode_groups.append(DecodeGroup(torch.tensor(g), torch.tensor([tables[i] + [0] * (w - len(tables[i]))
+                                                                             for i in g]),
+                                              torch.tensor([lens[i] for i in g])))
+    out = paged_attention(q, k, v, kc.clone(), vc.clone(), meta)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i], dense_causal_attention(qs[i], ks[i], vs[i])[-1])

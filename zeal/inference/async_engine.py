@@ -43,6 +43,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.steps = 0
+        self.peak_waiting = 0  # high-water mark of num_waiting (exported on /metrics)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -73,6 +74,7 @@ class AsyncEngine:
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             self._pending_adds += 1
             self._streams[request_id] = (loop, q)
+            self.peak_waiting = max(self.peak_waiting, self.num_waiting)
         self._inbox.put(("add", request_id, prompt_ids, params))
         finished = False
         try:
@@ -108,15 +110,19 @@ class AsyncEngine:
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, prompt_ids, params = cmd
+            # the move from pending to the engine's waiting queue happens under the lock, so
+            # that generate() never sees the request in neither place and admits one too many
+            error = None
             with self._lock:
                 self._pending_adds -= 1
-                listening = rid in self._streams
-            if not listening:
-                return  # aborted before it reached the engine
-            try:
-                self.engine.add_request(rid, prompt_ids, params)
-            except ValueError as e:
-                self._deliver(rid, e)
+                if rid not in self._streams:
+                    return  # aborted before it reached the engine
+                try:
+                    self.engine.add_request(rid, prompt_ids, params)
+                except ValueError as e:
+                    error = e
+            if error is not None:
+                self._deliver(rid, error)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
 
@@ -135,6 +141,7 @@ class AsyncEngine:
             try:
                 outs = self.engine.step()
                 self.steps += 1
+                self.peak_waiting = max(self.peak_waiting, self.num_waiting)  # preemption re-queues
             except Exception as e:  # a bug must not kill the server: fail the requests in flight
                 log.exception("engine step failed")
                 for rid in list(self.engine.requests):

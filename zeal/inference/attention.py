@@ -31,14 +31,58 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode tokens attended together: their contexts are padded to the group's widest."""
+
+    rows: torch.Tensor  # (D,) rows of decode tokens in the flat batch
+    block_tables: torch.Tensor  # (D, max_blocks), padded with 0
+    ctx_lens: torch.Tensor  # (D,)
+
+
+@dataclass
 class AttentionMetadata:
-    """How the flat batch maps onto the paged cache for one pass."""
+    """How the flat batch maps onto the paged cache for one pass.
+
+    Decodes come either as one group (``decode_rows``, ``decode_block_tables``,
+    ``decode_ctx_lens``) or as several ``decode_groups`` of similar context
+    lengths, so that short contexts are not padded to the longest one.
+    """
 
     slot_mapping: torch.Tensor  # (T,) flat slot index of each new token
     decode_rows: torch.Tensor | None = None  # (D,) rows of decode tokens in the flat batch
     decode_block_tables: torch.Tensor | None = None  # (D, max_blocks), padded with 0
     decode_ctx_lens: torch.Tensor | None = None  # (D,)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+
+    def all_decode_groups(self) -> list[DecodeGroup]:
+        groups = list(self.decode_groups)
+        if self.decode_rows is not None and self.decode_rows.numel():
+            groups.append(DecodeGroup(self.decode_rows, self.decode_block_tables, self.decode_ctx_lens))
+        return groups
+
+
+def group_by_width(widths: list[int], group_cost: int = 32) -> list[list[int]]:
+    """Partition decode indices into groups of similar context width (in blocks).
+
+    Minimises ``sum(len(group) * max_width(group)) + group_cost * num_groups``
+    (padded blocks gathered, plus a fixed price per group for its extra kernel
+    launches) over contiguous runs of the indices sorted by width; O(D^2).
+    """
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    n = len(order)
+    if n <= 2:
+        return [order] if order else []
+    best = [0] + [0] * n  # best[j]: cost of the j narrowest
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        w = widths[order[j - 1]]  # the widest of any group ending at j
+        best[j], cut[j] = min((best[i] + (j - i) * w + group_cost, i) for i in range(j))
+    groups, j = [], n
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -67,17 +111,17 @@ def paged_attention(
     out = torch.empty_like(q)
     nh, nkv = q.shape[1], k.shape[1]
     gqa = nh != nkv
-    if meta.decode_rows is not None and meta.decode_rows.numel():
-        tables, lens = meta.decode_block_tables, meta.decode_ctx_lens
+    for g in meta.all_decode_groups():
+        tables, lens = g.block_tables, g.ctx_lens
         d, mb = tables.shape
         bs = k_cache.shape[1]
         kd = k_cache[tables].reshape(d, mb * bs, nkv, -1).transpose(1, 2)  # (D, nkv, L, hd)
         vd = v_cache[tables].reshape(d, mb * bs, nkv, -1).transpose(1, 2)
         mask = torch.arange(mb * bs, device=q.device)[None, :] < lens[:, None]  # (D, L)
-        qd = q[meta.decode_rows].unsqueeze(2)  # (D, nh, 1, hd)
+        qd = q[g.rows].unsqueeze(2)  # (D, nh, 1, hd)
         y = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask[:, None, None, :],
                                            enable_gqa=gqa)
-        out[meta.decode_rows] = y.squeeze(2)
+        out[g.rows] = y.squeeze(2)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
         # 4-D (1, heads, len, hd): the fused kernels want a batch dimension

@@ -8,7 +8,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zeal.inference.attention import AttentionMetadata, PrefillChunk, paged_attention
+from zeal.inference.attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillChunk,
+    group_by_width,
+    paged_attention,
+)
 from zeal.inference.gpt_adapter import PagedGPT
 from zeal.inference.sequence import SchedulerOutput
 from zeal.models.gpt import GPT
@@ -109,11 +115,14 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(table, device=self.device)))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills)
-        if dec_rows:
-            width = max(len(t) for t in dec_tables)
-            meta.decode_rows = torch.tensor(dec_rows, device=dev)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables], device=dev)
-            meta.decode_ctx_lens = torch.tensor(dec_lens, device=dev)
+        # decodes of similar context length are attended together: gathering every
+        # context padded to the longest one dominated CPU decode steps
+        for idx in group_by_width([len(t) for t in dec_tables]):
+            width = max(len(dec_tables[i]) for i in idx)
+            meta.decode_groups.append(DecodeGroup(
+                rows=torch.tensor([dec_rows[i] for i in idx], device=dev),
+                block_tables=torch.tensor([dec_tables[i] + [0] * (width - len(dec_tables[i])) for i in idx], device=dev),
+                ctx_lens=torch.tensor([dec_lens[i] for i in idx], device=dev)))
         return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
                 torch.tensor(sample_rows, device=dev, dtype=torch.long))
 

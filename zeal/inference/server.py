@@ -232,6 +232,8 @@ def build_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
         bm = engine.bm
         gauges = {
             "zeal_num_requests_waiting": (aengine.num_waiting, "Requests waiting to be scheduled."),
+            "zeal_num_requests_waiting_peak": (aengine.peak_waiting, "Most requests ever waiting at once."),
+            "zeal_num_requests_waiting_limit": (aengine.max_waiting, "Bound on waiting requests (beyond: 429)."),
             "zeal_num_requests_running": (engine.num_running, "Sequences in the running batch."),
             "zeal_kv_blocks_used": (bm.num_used_blocks, "KV-cache blocks in use."),
             "zeal_kv_blocks_total": (bm.num_blocks, "KV-cache blocks in all."),
