@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ def init_distributed(
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = backend or ("nccl" if cuda else "gloo")
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # We started it, so we shut it down: a process that exits with the group's worker
+        # threads still running can abort in C++ ("terminate called without an active exception").
+        atexit.register(_shutdown)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         group = dist.group.WORLD if world > 1 else None
@@ -57,3 +61,11 @@ def init_distributed(
     else:
         device = torch.device("cpu")
     return DistContext(rank, world, local_rank, lws, device, group)
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
