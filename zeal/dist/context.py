@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -63,7 +64,23 @@ def init_distributed(
     return DistContext(rank, world, local_rank, lws, device, group)
 
 
+_before_shutdown: list = []
+
+
+def before_shutdown(fn) -> None:
+    """Run ``fn()`` at exit before the process group zeal started is destroyed."""
+    _before_shutdown.append(fn)
+
+
 def _shutdown() -> None:
+    # Engines still referenced by the script's globals hold collectives' state; release
+    # them first (without this, a stage-3 run exiting with prefetch state could abort).
+    for fn in _before_shutdown:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+    gc.collect()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()

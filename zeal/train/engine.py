@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from torch import nn
 
 from zeal.config import Config
 from zeal.dist.comm import Comm
-from zeal.dist.context import DistContext
+from zeal.dist.context import DistContext, before_shutdown
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
@@ -29,6 +30,15 @@ from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.units import FlatUnit
 
 log = logging.getLogger("zeal")
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_live_engines() -> None:
+    for engine in list(_LIVE):
+        engine.close()
+
+
+before_shutdown(_close_live_engines)
 
 
 @dataclass
@@ -71,6 +81,18 @@ class TrainEngine:
         self._timing = parts.config.wall_clock_breakdown
         self.rank, self.world_size = parts.ctx.rank, parts.ctx.world_size
         self.device = parts.ctx.device
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Release hooks, in-flight collectives and buffers; the engine is unusable after.
+        Called for every live engine at exit, before the process group is destroyed."""
+        p = self.__dict__.pop("_p", None)
+        if p is None:
+            return
+        if p.coordinator is not None:
+            p.coordinator.end_step()
+            p.coordinator.remove_hooks()
+        p.reducer.wait_all()  # nothing new is sent: only what is in flight completes
 
     # -- properties users expect -------------------------------------------------------
     @property
@@ -141,7 +163,7 @@ class TrainEngine:
         scale = (p.scaler.scale if p.scaler else 1.0) / p.grad_accum
         (loss.float() * scale).backward()
         t1 = time.perf_counter()
-        p.reducer.finish_backward()
+        p.reducer.wait_all()  # nothing new is sent: only what is in flight completes
         if p.coordinator is not None:
             p.coordinator.finish_backward()
         self._times["backward"] += t1 - t0 if self._timing else 0.0

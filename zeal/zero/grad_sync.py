@@ -158,6 +158,10 @@ class GradReducer:
         if t._base is None:  # not a view of an autograd gradient
             self._pool.setdefault((t.numel(), t.dtype), []).append(t)
 
+    def wait_all(self) -> None:
+        """Complete every reduction in flight, starting none."""
+        self._drain()
+
     def finish_backward(self) -> None:
         """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
         t0 = time.perf_counter()
