@@ -38,11 +38,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -52,6 +49,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+from _shared import clear_stale_extension_locks, load_gpt, peak_rss_mib  # noqa: E402
+
 SIZES = {
     # ~10.1M parameters (tied head counted once): the model of bench/train/bench_zero.py
     "10m": dict(vocab_size=8192, n_positions=256, n_embd=256, n_layer=10, n_head=8),
@@ -60,19 +60,6 @@ SIZES = {
 }
 ADAMW = dict(lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.01)
 AIO = dict(block_size=1048576, queue_depth=8, thread_count=1, single_submit=False, overlap_events=True)
-
-
-def _load_gpt():
-    path = REPO / "zeal" / "models" / "gpt.py"
-    spec = importlib.util.spec_from_file_location("_bench_gpt", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_bench_gpt"] = mod
-    spec.loader.exec_module(mod)
-    return mod.GPT, mod.GPTConfig
-
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def _du(path: str) -> int:
@@ -104,7 +91,7 @@ def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    GPT, GPTConfig = _load_gpt()
+    GPT, GPTConfig = load_gpt()
     cfg = GPTConfig(**SIZES[spec["size"]], dropout=0.0)
     cfg.n_positions = spec["seq"]
     micro, seq, stage = spec["micro"], spec["seq"], spec["stage"]
@@ -154,7 +141,7 @@ def worker(spec: dict) -> None:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     build_s = time.perf_counter() - t_build
     rank, world = dist.get_rank(), dist.get_world_size()
-    rss_build = _rss_mib()
+    rss_build = peak_rss_mib()
     gen = torch.Generator().manual_seed(1000 + rank)
     rows = []
     for _ in range(spec["warmup"] + spec["steps"]):
@@ -168,7 +155,7 @@ def worker(spec: dict) -> None:
         t3 = time.perf_counter()
         rows.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2, float(loss.detach().float())))
     on_disk = _du(spec["swap"]) if spec["offload"] == "nvme" else 0
-    mine = dict(rank=rank, rows=rows, rss_mib=_rss_mib(), rss_build_mib=rss_build, build_s=build_s, disk=on_disk)
+    mine = dict(rank=rank, rows=rows, rss_mib=peak_rss_mib(), rss_build_mib=rss_build, build_s=build_s, disk=on_disk)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -197,22 +184,6 @@ def _label(kind: str, stage: int, offload: str) -> str:
     return f"{'zeal' if kind == 'zeal' else 'DeepSpeed'} ZeRO-{stage} offload {offload}"
 
 
-def _clear_stale_extension_locks(min_age_s: float = 900) -> None:
-    """A killed DeepSpeed op build leaves a ``lock`` that makes every later build wait forever.
-    Locks younger than ``min_age_s`` may belong to a build running now and are kept (this
-    script clears them at once, with ``min_age_s=0``, after killing one of its own jobs)."""
-    for lock in glob.glob(os.path.expanduser("~/.cache/torch_extensions/**/lock"), recursive=True):
-        try:
-            age = time.time() - os.path.getmtime(lock)
-        except OSError:
-            continue
-        if age >= min_age_s:
-            print(f"# removing stale extension lock {lock} ({age:.0f} s old)", flush=True)
-            os.remove(lock)
-        else:
-            print(f"# keeping extension lock {lock} ({age:.0f} s old: a build may be running)", flush=True)
-
-
 def _deepspeed_version(python: str) -> str | None:
     if not python or not os.path.exists(python):
         return None
@@ -231,7 +202,7 @@ def run_job(spec: dict, args, timeout: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if ds:
         env["DS_ACCELERATOR"] = "cpu"
-        _clear_stale_extension_locks()
+        clear_stale_extension_locks()
     shutil.rmtree(spec["swap"], ignore_errors=True)
     os.makedirs(spec["swap"], exist_ok=True)
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
@@ -247,7 +218,7 @@ def run_job(spec: dict, args, timeout: int) -> dict:
         stdout, stderr = proc.communicate(timeout=60)
         print(f"# {label}: timed out after {timeout}s\n{stderr[-2000:]}", flush=True)
         if ds:
-            _clear_stale_extension_locks(min_age_s=0)
+            clear_stale_extension_locks(min_age_s=0)
         return dict(spec=spec, error=f"timed out after {timeout}s")
     finally:
         shutil.rmtree(spec["swap"], ignore_errors=True)

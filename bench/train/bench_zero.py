@@ -36,11 +36,8 @@ Example::
 from __future__ import annotations
 
 import argparse
-import glob
-import importlib.util
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -48,6 +45,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+from _shared import clear_stale_extension_locks, load_gpt, peak_rss_mib  # noqa: E402
 
 SIZES = {
     # ~10.1M parameters (tied head counted once)
@@ -62,28 +61,13 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 # --------------------------------------------------------------------------- worker
 
 
-def _load_gpt():
-    """zeal's GPT module loaded from its file, so the DeepSpeed environment (which has no
-    zeal installed) trains exactly the same model code."""
-    path = REPO / "zeal" / "models" / "gpt.py"
-    spec = importlib.util.spec_from_file_location("_bench_gpt", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["_bench_gpt"] = mod
-    spec.loader.exec_module(mod)
-    return mod.GPT, mod.GPTConfig
-
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def worker(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
     kind, stage, bf16 = spec["kind"], spec.get("stage"), spec["dtype"] == "bf16"
     micro, seq = spec["micro"], spec["seq"]
-    GPT, GPTConfig = _load_gpt()
+    GPT, GPTConfig = load_gpt()
     cfg = GPTConfig(**SIZES[spec["size"]], dropout=0.0)
     cfg.n_positions = seq
     torch.manual_seed(0)
@@ -173,7 +157,7 @@ def worker(spec: dict) -> None:
         raise ValueError(f"unknown kind {kind!r}")
 
     build_s = time.perf_counter() - t_build
-    rss_after_build = _rss_mib()
+    rss_after_build = peak_rss_mib()
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1000 + rank)
     times, losses = [], []
@@ -191,7 +175,7 @@ def worker(spec: dict) -> None:
         if prof is not None:
             prof.__exit__(None, None, None)
     timed = times[spec["warmup"]:]
-    mine = dict(rank=rank, times=timed, rss_mib=_rss_mib(), rss_after_build_mib=rss_after_build,
+    mine = dict(rank=rank, times=timed, rss_mib=peak_rss_mib(), rss_after_build_mib=rss_after_build,
                 build_s=build_s, losses=losses)
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
@@ -235,20 +219,12 @@ def _deepspeed_ok(python: str) -> str | None:
     return None
 
 
-def _clear_stale_extension_locks() -> None:
-    """A killed DeepSpeed op build leaves a ``lock`` file that makes every later build wait
-    forever; no build runs outside this script's jobs, so any lock left is stale."""
-    for lock in glob.glob(os.path.expanduser("~/.cache/torch_extensions/**/lock"), recursive=True):
-        print(f"# removing stale extension lock {lock}", flush=True)
-        os.remove(lock)
-
-
 def run_job(spec: dict, args) -> dict | None:
     python = args.ds_python if spec["kind"] == "deepspeed" else sys.executable
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if spec["kind"] == "deepspeed":
         env["DS_ACCELERATOR"] = "cpu"
-        _clear_stale_extension_locks()
+        clear_stale_extension_locks()
     cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     t0 = time.perf_counter()

@@ -1,0 +1,46 @@
+"""Helpers the benchmark scripts share. Plain file, importable from the DeepSpeed
+environment too (which has no zeal installed): scripts put ``bench/`` on sys.path."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_gpt():
+    """zeal's GPT module loaded from its file, so every environment trains exactly the
+    same model code. Returns (GPT, GPTConfig)."""
+    path = REPO / "zeal" / "models" / "gpt.py"
+    spec = importlib.util.spec_from_file_location("_bench_gpt", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_bench_gpt"] = mod
+    spec.loader.exec_module(mod)
+    return mod.GPT, mod.GPTConfig
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size in MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def clear_stale_extension_locks(min_age_s: float = 900) -> None:
+    """A killed DeepSpeed op build leaves a ``lock`` that makes every later build wait forever.
+    Locks younger than ``min_age_s`` may belong to a build running now and are kept (a
+    script clears them at once, with ``min_age_s=0``, after killing one of its own jobs)."""
+    for lock in glob.glob(os.path.expanduser("~/.cache/torch_extensions/**/lock"), recursive=True):
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            continue
+        if age >= min_age_s:
+            print(f"# removing stale extension lock {lock} ({age:.0f} s old)", flush=True)
+            os.remove(lock)
+        else:
+            print(f"# keeping extension lock {lock} ({age:.0f} s old: a build may be running)", flush=True)
