@@ -71,8 +71,8 @@ class CommStats:
 
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Comm:
@@ -113,7 +113,7 @@ class Comm:
             return Done()
         self._account("all_gather", kind, out.numel(), out.element_size())
         with torch.autograd._unsafe_preserve_version_counter(out):
-            work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
+            work = all_gather_flat(out, shard, group=self.group, async_op=async_op)
         return work or Done()
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, kind: str, async_op: bool = False):
@@ -122,7 +122,7 @@ class Comm:
             out.copy_(full.view(out.shape))
             return Done()
         self._account("reduce_scatter", kind, full.numel(), full.element_size())
-        return _reduce_scatter_flat(out, full, group=self.group, async_op=async_op) or Done()
+        return reduce_scatter_flat(out, full, group=self.group, async_op=async_op) or Done()
 
     def broadcast(self, t: torch.Tensor, src: int, kind: str) -> None:
         if not self.active:

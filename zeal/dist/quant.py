@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from zeal.dist.comm import all_gather_flat
+
 _QMAX = {8: 127, 4: 7}
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _U = 2.0**-24
 _FMAX = torch.finfo(torch.float32).max
 
@@ -185,8 +186,8 @@ def quantized_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None, b
     if n > 1:
         all_data = data.new_empty((n, data.shape[1]))
         all_scales = scales.new_empty((n, scales.shape[1]))
-        _all_gather_flat(all_data, data, group=group)
-        _all_gather_flat(all_scales, scales, group=group)
+        all_gather_flat(all_data, data, group=group)
+        all_gather_flat(all_scales, scales, group=group)
         data, scales = all_data, all_scales
         if record is not None:
             record("qwz_all_gather", n, _sent(quantized_nbytes(numel, bits, block_size), n))

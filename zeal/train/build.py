@@ -141,7 +141,7 @@ def initialize(
         topo = build_topology(ctx, comm, zc.zero_hpz_partition_size) if zeropp and ctx.world_size > 1 else None
         coll = UnitCollectives(comm, zc, topo, home)
         coordinator = ParamCoordinator(
-            model, units, needs, comm, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
+            model, units, needs, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
             zc.stage3_max_reuse_distance, zc.stage3_max_live_parameters)
     mode = {0: "all_reduce", 1: "scatter_at_boundary"}.get(stage, "scatter_every_step")
     reducer = GradReducer(units, comm, mode, overlap=zc.overlap_comm, max_inflight_elems=zc.reduce_bucket_size,

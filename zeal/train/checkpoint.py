@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 
+from zeal.dist.comm import all_gather_flat
 from zeal.train import checkpoint_io as cio
 from zeal.train.checkpoint_io import CheckpointCorruptError, CheckpointError, TensorSpec
 from zeal.train.checkpoint_state import join_client, rng_state, set_rng_state, split_client
@@ -58,7 +58,7 @@ def _gather_str(comm: Any, s: str, width: int = 8192) -> list[str]:
     buf = torch.zeros(width, dtype=torch.uint8)
     buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     out = torch.zeros(width * comm.size, dtype=torch.uint8)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, buf, group=comm.group)
+    all_gather_flat(out, buf, group=comm.group)
     return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode(errors="replace")
             for i in range(comm.size)]
 
@@ -497,8 +497,5 @@ def _write_back(engine: Any) -> None:
     with torch.no_grad():
         p.zero_optimizer._write_back()
         if p.coordinator is not None:
-            p.coordinator.refresh_persistent()
-            for u in p.units:
-                if u.persistent and not u.trainable:
-                    p.comm.all_gather(u.full, u.shard.clone(), "param")
+            p.coordinator.refresh_persistent(frozen_too=True)
     p.comm.stats.step, p.comm.stats.total = stats

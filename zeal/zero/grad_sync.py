@@ -21,7 +21,6 @@ Results are sums; :meth:`reduced_grad` divides by the world size (mean).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -56,7 +55,6 @@ class GradReducer:
         self._launched: set[int] = set()
         self._boundary = True
         self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
-        self.reduce_time = 0.0
         self._flat_acc = None
         if mode == "scatter_every_step":  # one flat buffer; each unit's accumulator is a view
             self._flat_acc = torch.zeros(sum(u.shard_numel for u in self.units),
@@ -164,12 +162,10 @@ class GradReducer:
 
     def finish_backward(self) -> None:
         """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
-        t0 = time.perf_counter()
         if self._communicates():
             for u in self.units:
                 self._launch(u)
         self._drain()
-        self.reduce_time += time.perf_counter() - t0
 
     # -- for the optimizer ------------------------------------------------------------
     def reduced_grad(self, u: FlatUnit) -> torch.Tensor:

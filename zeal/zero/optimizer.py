@@ -27,6 +27,13 @@ from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
 
 
+def gather_replicated(comm: Comm, units: list[FlatUnit]) -> None:
+    """Stages 1–2: after each rank updated its shard, rebuild every unit's full buffer.
+    (The shard is a view of ``full``, so it is copied out before the all-gather.)"""
+    for u in units:
+        comm.all_gather(u.full, u.shard.clone(), "param")
+
+
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler: LossScaler | None,
                        clip: float) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
@@ -118,9 +125,10 @@ class ZeroOptimizer:
             elif self.stage in (1, 2):
                 if m.data_ptr() != u.shard.data_ptr():
                     u.shard.copy_(m)
-                self.comm.all_gather(u.full, u.shard.clone(), "param")
             else:
                 self.home.put(u, m)
+        if self.stage in (1, 2):
+            gather_replicated(self.comm, self.units)
 
     def nbytes(self) -> int:
         """Persistent optimizer bytes: separate masters plus optimizer state tensors

@@ -30,16 +30,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from zeal.dist.comm import Comm
 from zeal.zero.units import FlatUnit
 from zeal.zero.zeropp import UnitCollectives
 
 
 class ParamCoordinator:
     def __init__(self, model: nn.Module, units: list[FlatUnit], needs: dict[nn.Module, list[FlatUnit]],
-                 comm: Comm, coll: UnitCollectives, persistence_threshold: int, prefetch_elems: int,
+                 coll: UnitCollectives, persistence_threshold: int, prefetch_elems: int,
                  max_reuse_distance: int, max_live_elems: int) -> None:
-        self.units, self.needs, self.comm, self.coll = units, needs, comm, coll
+        self.units, self.needs, self.coll = units, needs, coll
         self.prefetch_elems = prefetch_elems
         self.max_reuse = max_reuse_distance
         self.max_live = max_live_elems
@@ -187,10 +186,11 @@ class ParamCoordinator:
             if not u.persistent and self._holds[u.index] == 0:
                 u.free_full()
 
-    def refresh_persistent(self) -> None:
-        """After the optimizer updated shards: bring persistent units up to date."""
+    def refresh_persistent(self, frozen_too: bool = False) -> None:
+        """After shards changed (optimizer step; a checkpoint load with ``frozen_too``):
+        bring persistent units up to date."""
         for u in self.units:
-            if u.persistent and u.trainable:
+            if u.persistent and (u.trainable or frozen_too):
                 self.coll.refresh(u)
 
     def _compute_reuse(self) -> None:

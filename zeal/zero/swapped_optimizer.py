@@ -20,7 +20,7 @@ from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.offload import CPUAdam, SwappedAdam, check_swap_path
 from zeal.zero.offload.swap import OPTIMIZER_PATH_KEY
-from zeal.zero.optimizer import unscale_check_clip
+from zeal.zero.optimizer import gather_replicated, unscale_check_clip
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
 
@@ -70,9 +70,6 @@ class SwappedZeroOptimizer:
         self._staging: dict[int, torch.Tensor] = {}
         self.masters: list[torch.Tensor] = []  # only inside load_into_memory()
 
-    def bind(self, groups: list[dict]) -> None:  # the LR groups are our own
-        pass
-
     def step(self) -> bool:
         grads = [self.reducer.reduced_grad(u) for u in self.units]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
@@ -83,8 +80,7 @@ class SwappedZeroOptimizer:
         self.last_stats = self.swapped.step(flat.to("cpu"), on_update=self._on_update,
                                             lr=self.optimizer.param_groups[0]["lr"])
         if self.stage in (1, 2):
-            for u in self.units:
-                self.comm.all_gather(u.full, u.shard.clone(), "param")
+            gather_replicated(self.comm, self.units)
         return True
 
     @torch.no_grad()
@@ -148,7 +144,8 @@ class SwappedZeroOptimizer:
                 self.home.put(u, m)
             else:
                 u.shard.copy_(m)
-                self.comm.all_gather(u.full, u.shard.clone(), "param")
+        if self.stage in (1, 2):
+            gather_replicated(self.comm, self.units)
 
     def nbytes(self) -> int:
         """Optimizer bytes held in memory: the swap buffer pool."""

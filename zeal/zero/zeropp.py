@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zeal.config.schema import ZeroConfig
-from zeal.dist.comm import Comm, Done, _all_gather_flat
+from zeal.dist.comm import Comm, Done, all_gather_flat
 from zeal.dist.context import DistContext
 from zeal.dist.quant import dequantize_rows, quantize_rows, quantized_nbytes, quantized_reduce_scatter
 from zeal.zero.shard_home import DiskShards, MemoryShards
@@ -125,8 +125,8 @@ class UnitCollectives:
         data, scales = quantize_rows(shard.reshape(1, -1), bits, block)
         all_data = data.new_empty((n, data.shape[1]))
         all_scales = scales.new_empty((n, scales.shape[1]))
-        works = [_all_gather_flat(all_data, data, group=group, async_op=True),
-                 _all_gather_flat(all_scales, scales, group=group, async_op=True)]
+        works = [all_gather_flat(all_data, data, group=group, async_op=True),
+                 all_gather_flat(all_scales, scales, group=group, async_op=True)]
         sent = quantized_nbytes(u.shard_numel, bits, block)
         self.world.stats.record("qwz_all_gather", "param", u.padded, sent * (n - 1),
                                 sent * self.world._remote_peers)
@@ -146,9 +146,6 @@ class UnitCollectives:
 
     def drop_secondary(self) -> None:
         self.secondary.clear()
-
-    def secondary_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.secondary.values())
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor):
         """``out`` gets the *sum* over ranks of this rank's chunk of ``flat``."""
