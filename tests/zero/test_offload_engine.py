@@ -23,7 +23,7 @@ VARIANTS = {
 }
 
 
-def _train(rank, world, stage, variant, path):
+def _train(rank, world, stage, variant, path, fused=False):
     import zeal
 
     zo = {"stage": stage, "stage3_param_persistence_threshold": 0}
@@ -33,7 +33,8 @@ def _train(rank, world, stage, variant, path):
     torch.manual_seed(0)
     engine = zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                          "gradient_clipping": 0.05, "zero_optimization": zo,
-                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1}}})
+                                         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1,
+                                                                                   "fused": fused}}})
     for step in make_batches(5, 2, world, 2):
         for micro in step:
             engine.backward(engine(micro[rank]))
@@ -42,19 +43,27 @@ def _train(rank, world, stage, variant, path):
 
 
 def _all(rank, world, path):
+    """Every placement with the per-tensor Adam (bitwise comparable), and with the fused
+    kernel (zeal's default), whose vector/scalar-tail split depends on where an element
+    sits in the tensor it is updated in (one tensor per unit in memory, sub-groups on disk)."""
     out = {}
     for stage in (1, 2, 3):
         for variant in ("none", "cpu", "nvme_opt") + (("nvme_all",) if stage == 3 else ()):
             out[(stage, variant)] = _train(rank, world, stage, variant, path)
+        out[(stage, "none", "fused")] = _train(rank, world, stage, "none", path, fused=True)
+        out[(stage, "nvme_opt", "fused")] = _train(rank, world, stage, "nvme_opt", path, fused=True)
     return out
 
 
 def _check(results):
     for res in results:
-        for (stage, variant), (state, mem) in res.items():
-            ref = res[(stage, "none")][0]
+        for (stage, variant, *fused), (state, mem) in res.items():
+            ref = res[(stage, "none", *fused)][0]
             for k in ref:
-                assert (state[k] == ref[k]).all(), (stage, variant, k)
+                if fused:  # rounding-level: 5 steps of lr 1e-2 from differently rounded updates
+                    torch.testing.assert_close(state[k], ref[k], rtol=0, atol=1e-5)
+                else:
+                    assert (state[k] == ref[k]).all(), (stage, variant, k)
             if variant.startswith("nvme"):
                 assert mem["optimizer_disk"] > 0
             if variant == "nvme_all":

@@ -29,9 +29,12 @@ from zeal.zero.units import FlatUnit
 
 def gather_replicated(comm: Comm, units: list[FlatUnit]) -> None:
     """Stages 1–2: after each rank updated its shard, rebuild every unit's full buffer.
-    (The shard is a view of ``full``, so it is copied out before the all-gather.)"""
-    for u in units:
-        comm.all_gather(u.full, u.shard.clone(), "param")
+    The shard is a view of ``full``: pairwise gathers send it in place; the flat
+    collective needs it copied out first."""
+    works = [comm.all_gather(u.full, u.shard if comm.pairwise else u.shard.clone(), "param", async_op=True)
+             for u in units]
+    for w in works:
+        w.wait()
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler: LossScaler | None,

@@ -3,10 +3,14 @@
 Forward: a module's pre-hook gathers the units holding the parameters it
 registers (tied parameters included) and its post-hook releases them. Backward:
 a hook on the module's outputs gathers them again before the module's backward
-runs; they are released once the unit's gradients are reduced (or at the end of
-backward for frozen units). Units at or below the persistence threshold stay
-gathered for the whole run and are refreshed by an all-gather after each
-optimizer step.
+runs; they are released as soon as every module that asked for them in backward
+is done with them (a hook on the module's input gradients says so), else once the
+unit's gradients are reduced, else at the end of backward (frozen units). An
+``nn.Embedding``'s backward reads only the indices, never the weight, so it asks
+for nothing: a tied input embedding is not gathered again at the very end of
+backward, and the output head that shares it lets it go right after its own
+backward. Units at or below the persistence threshold stay gathered for the
+whole run and are refreshed by an all-gather after each optimizer step.
 
 The first step records the order in which units are requested (the trace). From
 then on, requesting the unit at trace position i also launches asynchronous
@@ -18,7 +22,8 @@ only a hint: every in-flight gather is waited for before its unit is used or
 released).
 
 Communication pattern per step, persistence 0 and reuse 0: forward all-gather Ψ,
-backward all-gather Ψ, reduce-scatter Ψ (the latter in :mod:`grad_sync`): 3Ψ.
+backward all-gather Ψ, reduce-scatter Ψ (the latter in :mod:`grad_sync`): 3Ψ,
+less the backward gather of embeddings that nothing else shares.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class ParamCoordinator:
         self._inflight: dict[int, object] = {}
         self._holds: dict[int, int] = {u.index: 0 for u in units}
         self._bwd_held: set[int] = set()
+        self._bwd_users: dict[int, int] = {}  # unit -> modules still to run their backward with it
+        self._calls: dict[nn.Module, list[dict]] = {}  # per module: forward invocations in flight
         self._trace: list[int] = []          # recorded unit order of the last complete step
         self._recording: list[int] = []
         self._trace_fwd_len = 0              # trace entries before backward began
@@ -52,7 +59,7 @@ class ParamCoordinator:
         self._in_backward = False
         self._pos = 0
         self._valid = False
-        self._keep_until: dict[int, int] = {}
+        self._keep_spans: dict[int, list[tuple[int, int]]] = {}  # unit -> (use, next use) to bridge
         self.gather_time = 0.0
         self._hooks = []
         for u in units:
@@ -88,7 +95,7 @@ class ParamCoordinator:
     def _release(self, u: FlatUnit) -> None:
         if u.persistent or self._holds[u.index] > 0 or u.index in self._bwd_held:
             return
-        if self._valid and self._keep_until.get(u.index, -1) >= self._pos:
+        if self._valid and any(q < self._pos <= p for q, p in self._keep_spans.get(u.index, ())):
             return
         self._wait(u)
         u.free_full()
@@ -131,31 +138,58 @@ class ParamCoordinator:
         self._request(units)
         for u in units:
             self._holds[u.index] += 1
+        call = {"asked": False, "done": False}
+        self._calls.setdefault(mod, []).append(call)
+        if torch.is_grad_enabled() and not isinstance(mod, nn.Embedding):
+            # the gradient of an input is complete only after this module's backward ran
+            for t in _tensors(args):
+                if t.requires_grad:
+                    t.register_hook(lambda grad, units=units, call=call: self._post_backward(units, call))
 
     def _post_forward(self, mod: nn.Module, args, output):
         units = self.needs[mod]
+        call = self._calls[mod].pop()
         for u in units:
             self._holds[u.index] -= 1
         for u in units:
             self._release(u)
-        if torch.is_grad_enabled():
-            trainable_or_frozen = units
+        if torch.is_grad_enabled() and not isinstance(mod, nn.Embedding):  # see the module docstring
 
             def pre_backward(grad: torch.Tensor) -> None:
-                fresh = [u for u in trainable_or_frozen if u.index not in self._bwd_held]
+                if call["asked"]:
+                    return
+                call["asked"] = True
+                fresh = [u for u in units if u.index not in self._bwd_held]
                 if fresh:
                     self._request(fresh)
                     self._bwd_held.update(u.index for u in fresh)
+                for u in units:
+                    self._bwd_users[u.index] = self._bwd_users.get(u.index, 0) + 1
 
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(pre_backward)
         return output
 
+    def _post_backward(self, units: list[FlatUnit], call: dict) -> None:
+        """The module of ``call`` finished its backward: units no other pending backward
+        needs may go, before their gradients are even complete."""
+        if not call["asked"] or call["done"]:
+            return
+        call["done"] = True
+        for u in units:
+            if u.index not in self._bwd_users:  # its gradients were already taken
+                continue
+            left = self._bwd_users[u.index] = self._bwd_users[u.index] - 1
+            if left == 0 and u.index in self._bwd_held:
+                self._bwd_held.discard(u.index)
+                self._release(u)
+
     # -- called by the gradient reducer and the engine ---------------------------------------
     def on_grads_taken(self, u: FlatUnit) -> None:
         """The unit's gradients are on their way: its gathered copy is no longer needed."""
         self._bwd_held.discard(u.index)
+        self._bwd_users.pop(u.index, None)
         self._release(u)
 
     def begin_backward(self) -> None:
@@ -166,6 +200,7 @@ class ParamCoordinator:
     def finish_backward(self) -> None:
         """Release what backward left gathered (frozen units, unused parameters)."""
         self._in_backward = False
+        self._bwd_users.clear()
         for idx in list(self._bwd_held):
             self._bwd_held.discard(idx)
             self._release(self.units[idx])
@@ -181,6 +216,8 @@ class ParamCoordinator:
         self._pos = 0
         self._valid = bool(self._trace)
         self._bwd_held.clear()
+        self._bwd_users.clear()
+        self._calls.clear()
         for u in self.units:
             self._wait(u)
             if not u.persistent and self._holds[u.index] == 0:
@@ -195,10 +232,11 @@ class ParamCoordinator:
 
     def _compute_reuse(self) -> None:
         """For each position p of the trace, keep unit trace[p] gathered until its next
-        use when the elements requested in between are within max_reuse_distance."""
-        self._keep_until = {}
-        if self.max_reuse <= 0:
-            return
+        use when the elements requested in between are within max_reuse_distance. At
+        0 that still keeps a unit used twice in a row, typically the output head at the
+        turn from forward to backward: holding it over the loss costs nothing that the
+        backward would not hold right after, and saves gathering it again."""
+        self._keep_spans = {}
         last_seen: dict[int, int] = {}
         prefix = [0]
         for idx in self._trace:
@@ -207,7 +245,7 @@ class ParamCoordinator:
             if idx in last_seen:
                 q = last_seen[idx]
                 if prefix[p] - prefix[q + 1] <= self.max_reuse:
-                    self._keep_until[idx] = max(self._keep_until.get(idx, -1), p)
+                    self._keep_spans.setdefault(idx, []).append((q, p))
             last_seen[idx] = p
 
     @contextlib.contextmanager

@@ -42,7 +42,7 @@ class SwappedZeroOptimizer:
                              f"not {opt_type!r}")
         params = dict(opt_params)
         lr = float(params.pop("lr", 1e-3))
-        bad = sorted(set(params) - {"betas", "eps", "weight_decay"})
+        bad = sorted(set(params) - {"betas", "eps", "weight_decay", "fused", "foreach"})
         if bad:
             raise ValueError(f"config key 'optimizer.params.{bad[0]}' is not supported with nvme offload")
         self.units = [u for u in units if u.trainable]
@@ -57,7 +57,7 @@ class SwappedZeroOptimizer:
         check_swap_path(nvme_path, 12 * total, OPTIMIZER_PATH_KEY)
         adam = CPUAdam(lr=lr, betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
                        weight_decay=params.get("weight_decay", 0.01 if opt_type == "AdamW" else 0.0),
-                       adamw=opt_type == "AdamW")
+                       adamw=opt_type == "AdamW", fused=params.get("fused", not params.get("foreach", False)))
         self.swapped = SwappedAdam(total, adam, nvme_path, sub_group_size=min(sub_group_size, max(total, 1)),
                                    buffer_count=buffer_count)
         for u, off in zip(self.units, self.offsets):  # initial masters: the current shards, in fp32
