@@ -72,6 +72,8 @@ def test_engine_invariants_random_workload(reqs, block_size, spare, budget, max_
         outs = engine.step()
         st_ = engine.last_stats
         assert st_.num_tokens <= budget and st_.num_seqs <= max_seqs
+        assert st_.num_decode_tokens + st_.num_prompt_tokens == st_.num_tokens
+        assert st_.num_decode_tokens <= st_.num_seqs
         check_blocks(engine)
         for o in outs:
             if o.finished:

@@ -13,8 +13,10 @@ class TinyNet(nn.Module):
     """Tied embedding/head, a frozen layer, a buffer, and sizes not divisible by 2 or 4
     (the embedding has 444 = 4·111 elements, l1 has 12·13 + 13 = 169)."""
 
-    def __init__(self, tied: bool = True, frozen: bool = True) -> None:
+    def __init__(self, tied: bool = True, frozen: bool = True, blocks: int = 0) -> None:
         super().__init__()
+        # a ModuleList of small repeated blocks: stage 3 makes each block one unit
+        self.blocks = nn.ModuleList(_Block() for _ in range(blocks)) if blocks else None
         self.emb = nn.Embedding(VOCAB, DIM)
         self.frozen = nn.Linear(DIM, DIM) if frozen else None
         if frozen:
@@ -32,8 +34,21 @@ class TinyNet(nn.Module):
         if self.frozen is not None:
             h = torch.tanh(self.frozen(h))
         h = h + self.l2(F.gelu(self.l1(h))) * self.gain
+        for block in self.blocks or ():
+            h = block(h)
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, 7)
+        self.down = nn.Linear(7, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(self.norm(h))))
 
 
 def make_batches(steps: int, accum: int, world: int, micro: int, seq: int = 6, seed: int = 7):

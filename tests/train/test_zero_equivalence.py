@@ -31,9 +31,9 @@ def _config(stage: int, bf16: bool = False) -> dict:
     }
 
 
-def _reference(world: int):
+def _reference(world: int, blocks: int = 0):
     torch.manual_seed(0)
-    model = TinyNet()
+    model = TinyNet(blocks=blocks)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.1)
     losses, norms = [], []
     for step in make_batches(STEPS, ACCUM, world, MICRO):
@@ -49,7 +49,7 @@ def _reference(world: int):
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _train_all_stages(rank: int, world: int, stages: list[int], bf16: bool):
+def _train_all_stages(rank: int, world: int, stages: list[int], bf16: bool, blocks: int = 0):
     import torch.distributed as dist
 
     import zeal
@@ -57,7 +57,7 @@ def _train_all_stages(rank: int, world: int, stages: list[int], bf16: bool):
     out = {}
     for stage in stages:
         torch.manual_seed(0)
-        engine = zeal.initialize(TinyNet(), _config(stage, bf16))
+        engine = zeal.initialize(TinyNet(blocks=blocks), _config(stage, bf16))
         losses, norms = [], []
         for step in make_batches(STEPS, ACCUM, world, MICRO):
             for micro in step:
@@ -73,8 +73,8 @@ def _train_all_stages(rank: int, world: int, stages: list[int], bf16: bool):
     return out
 
 
-def _check(results, world: int, stages: list[int]) -> None:
-    ref_losses, ref_norms, ref_state = _reference(world)
+def _check(results, world: int, stages: list[int], blocks: int = 0) -> None:
+    ref_losses, ref_norms, ref_state = _reference(world, blocks)
     assert max(ref_norms) > CLIP, "the test must exercise clipping"
     for stage in stages:
         for r in range(world):
@@ -94,8 +94,9 @@ def test_stages_match_single_process_on_2_ranks():
 
 @pytest.mark.timeout(240)
 def test_stages_match_single_process_on_4_ranks():
+    """With a ModuleList of small blocks: at stage 3 each block is one unit."""
     stages = [1, 3]
-    _check(run_ranks(_train_all_stages, 4, stages, False, timeout=200), 4, stages)
+    _check(run_ranks(_train_all_stages, 4, stages, False, 2, timeout=200), 4, stages, blocks=2)
 
 
 @pytest.mark.timeout(240)

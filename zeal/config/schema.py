@@ -85,8 +85,9 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: int = Field(
         0, ge=0,
         description="Keep a gathered module if it is used again within this many elements of the recorded trace. "
-        "zeal defaults to 0 (release after use, like FSDP); DeepSpeed's default 1e9 keeps the model gathered "
-        "between forward and backward, trading memory for the backward all-gather.",
+        "zeal defaults to 0 (release after use, like FSDP, except a module used twice in a row); "
+        "DeepSpeed's default 1e9 keeps the model gathered between forward and backward, trading "
+        "memory for the backward all-gather.",
     )
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Accepted for compatibility.")
     sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group (offload streaming).")

@@ -149,12 +149,14 @@ class LLMEngine:
                 touched[req.request_id] = req
         logits = self.runner.execute(sched).cpu()
         to_sample: list[Sequence] = []
-        prompt_tokens = 0
+        prompt_tokens = decode_tokens = 0
         for c in sched.chunks:
+            if c.seq.is_decoding:  # (before the commit) only its last sampled token was left to feed
+                decode_tokens += c.num_tokens
+            else:
+                prompt_tokens += c.num_tokens
             c.seq.num_computed += c.num_tokens
             self.bm.commit(c.seq)
-            if not c.seq.is_decoding or c.num_tokens > 1:
-                prompt_tokens += c.num_tokens
             if c.sample:
                 to_sample.append(c.seq)
         results = sample(logits, [(s.prompt_ids, s.output_ids) for s in to_sample],
@@ -174,10 +176,10 @@ class LLMEngine:
                                   [child.generator])[0]
                     self._append(child, cres, now)
             self._append(seq, res, now)
-        stats = StepStats(sched.num_tokens, len(to_sample), prompt_tokens, len(sched.chunks), len(sched.preempted),
+        stats = StepStats(sched.num_tokens, decode_tokens, prompt_tokens, len(sched.chunks), len(sched.preempted),
                           time.monotonic() - t0)
         self.last_stats = stats
-        self.metrics.on_step(prompt_tokens, stats.num_decode_tokens, stats.num_preempted)
+        self.metrics.on_step(prompt_tokens, len(to_sample), stats.num_preempted)  # tokens generated
         return [self._output(r) for r in touched.values()]
 
     def _append(self, seq: Sequence, res, now: float) -> None:

@@ -120,7 +120,7 @@ def initialize(
             op = zc.offload_param
             if op.device == "nvme":  # ZeRO-Infinity: parameter shards live in swap files
                 home = DiskShards(units, _rank_folder(op.nvme_path, ctx.rank), op.buffer_count, op.buffer_size)
-            owners = _unit_owners(needs)
+            owners = _unit_owners(model, units)
             for u in units:  # one unit whole at a time
                 if u.needs_init:
                     materialize_unit(u, owners[u.index], init, cfg.seed)
@@ -271,14 +271,19 @@ def _scheduler(cfg: Config, lr_scheduler: Any, inner: torch.optim.Optimizer) -> 
         raise ConfigError(str(e)) from None
 
 
-def _unit_owners(needs: dict[nn.Module, list[FlatUnit]]) -> dict[int, list[nn.Module]]:
+def _unit_owners(model: nn.Module, units: list[FlatUnit]) -> dict[int, list[nn.Module]]:
     """For each unit, the modules that register (and so initialise) its parameters first."""
+    unit_of = {id(p): u for u in units for p in u.params}
     owners: dict[int, list[nn.Module]] = {}
-    for mod, units in needs.items():
-        own = {id(p) for p in mod.parameters(recurse=False)}
-        for u in units:
-            if any(id(p) in own for p in u.params) and u.index not in owners:
-                owners.setdefault(u.index, []).append(mod)
+    seen: set[int] = set()
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            if id(p) in seen or id(p) not in unit_of:
+                continue
+            seen.add(id(p))
+            mods = owners.setdefault(unit_of[id(p)].index, [])
+            if mod not in mods:
+                mods.append(mod)
     return owners
 
 
