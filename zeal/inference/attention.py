@@ -95,7 +95,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> torch.Tensor:
     """Contiguous ``(ctx_len, n_kv, hd)`` view of one sequence's cached keys or values."""
     bs = cache.shape[1]
-    return cache[block_table].reshape(-1, *cache.shape[2:])[:ctx_len] if ctx_len > bs else cache[block_table[0], :ctx_len]
+    if ctx_len <= bs:
+        return cache[block_table[0], :ctx_len]
+    return cache.index_select(0, block_table).reshape(-1, *cache.shape[2:])[:ctx_len]
 
 
 def paged_attention(
@@ -115,8 +117,10 @@ def paged_attention(
         tables, lens = g.block_tables, g.ctx_lens
         d, mb = tables.shape
         bs = k_cache.shape[1]
-        kd = k_cache[tables].reshape(d, mb * bs, nkv, -1).transpose(1, 2)  # (D, nkv, L, hd)
-        vd = v_cache[tables].reshape(d, mb * bs, nkv, -1).transpose(1, 2)
+        # index_select copies whole blocks: about 2x faster than advanced indexing on CPU
+        flat = tables.reshape(-1)
+        kd = k_cache.index_select(0, flat).view(d, mb * bs, nkv, -1).transpose(1, 2)  # (D, nkv, L, hd)
+        vd = v_cache.index_select(0, flat).view(d, mb * bs, nkv, -1).transpose(1, 2)
         mask = torch.arange(mb * bs, device=q.device)[None, :] < lens[:, None]  # (D, L)
         qd = q[g.rows].unsqueeze(2)  # (D, nh, 1, hd)
         y = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask[:, None, None, :],
