@@ -163,7 +163,7 @@ class TrainEngine:
         scale = (p.scaler.scale if p.scaler else 1.0) / p.grad_accum
         (loss.float() * scale).backward()
         t1 = time.perf_counter()
-        p.reducer.wait_all()  # nothing new is sent: only what is in flight completes
+        p.reducer.finish_backward()  # reduces units whose hooks did not (unused parameters), waits for all
         if p.coordinator is not None:
             p.coordinator.finish_backward()
         self._times["backward"] += t1 - t0 if self._timing else 0.0

@@ -2,9 +2,12 @@
 
 Modes (chosen by stage):
 * ``all_reduce`` (stage 0): gradients accumulate locally into a persistent full
-  buffer per unit (``param.grad`` is a view into it); at the accumulation
-  boundary each unit is all-reduced as soon as backward has produced all of its
-  gradients. Non-boundary micro-steps communicate nothing.
+  buffer per unit; at the accumulation boundary each unit is all-reduced as soon
+  as backward has produced all of its gradients. Non-boundary micro-steps
+  communicate nothing. The first gradient of a parameter after :meth:`zero` is
+  copied into its slot (no zero-fill, no read-add), and ``param.grad`` becomes a
+  view of the slot, so later micro-steps accumulate into it in place; slots of
+  parameters that got no gradient are zeroed just before their unit is reduced.
 * ``scatter_at_boundary`` (stage 1): as above, but a reduce-scatter leaves each
   rank the summed slice it owns.
 * ``scatter_every_step`` (stages 2, 3): no full gradient is kept. Each gradient is
@@ -55,6 +58,7 @@ class GradReducer:
         self._launched: set[int] = set()
         self._boundary = True
         self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
+        self._filled: dict[int, set[int]] = {u.index: set() for u in self.units}  # slots written since zero
         self._flat_acc = None
         if mode == "scatter_every_step":  # one flat buffer; each unit's accumulator is a view
             self._flat_acc = torch.zeros(sum(u.shard_numel for u in self.units),
@@ -68,10 +72,7 @@ class GradReducer:
             for i, p in enumerate(u.params):
                 self._slot_of[id(p)] = (u, i)
             if mode != "scatter_every_step":
-                g = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
-                self.full_grads[u.index] = g
-                for slot, p in zip(u.slots, u.params):
-                    p.grad = g[slot.offset:slot.end].view(slot.shape)
+                self.full_grads[u.index] = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -86,7 +87,18 @@ class GradReducer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         u, i = self._slot_of[id(p)]
-        if self.mode == "scatter_every_step":
+        if self.mode != "scatter_every_step":
+            slot = u.slots[i]
+            view = self.full_grads[u.index][slot.offset:slot.end].view(slot.shape)
+            g = p.grad
+            if g.data_ptr() != view.data_ptr():  # a fresh gradient from autograd
+                if i in self._filled[u.index]:
+                    view.add_(g)
+                else:
+                    view.copy_(g)
+                p.grad = view
+            self._filled[u.index].add(i)
+        else:
             g = p.grad
             p.grad = None
             if len(u.slots) == 1 and u.padded == u.numel and g.is_contiguous() and g.dtype == u.dtype:
@@ -109,6 +121,12 @@ class GradReducer:
         if u.index in self._launched:
             return
         self._launched.add(u.index)
+        if self.mode != "scatter_every_step":
+            full = self.full_grads[u.index]
+            for i, slot in enumerate(u.slots):
+                if i not in self._filled[u.index]:  # no gradient since zero: the slot holds old values
+                    full[slot.offset:slot.end].zero_()
+                    self._filled[u.index].add(i)
         if self.mode == "all_reduce":
             work = self.comm.all_reduce(self.full_grads[u.index], "grad", async_op=True)
             self._pending.append((u, work, None, None))
@@ -182,8 +200,11 @@ class GradReducer:
         return torch.cat([g.reshape(-1) for g in grads])
 
     def zero(self) -> None:
-        for g in self.full_grads.values():
-            g.zero_()
+        for u in self.units:  # stages 0-1: the next gradient of each slot overwrites it
+            self._filled[u.index].clear()
+            if self.mode != "scatter_every_step":
+                for p in u.params:
+                    p.grad = None
         if self._flat_acc is not None:
             self._flat_acc.zero_()
         else:
