@@ -44,3 +44,15 @@ def clear_stale_extension_locks(min_age_s: float = 900) -> None:
             os.remove(lock)
         else:
             print(f"# keeping extension lock {lock} ({age:.0f} s old: a build may be running)", flush=True)
+
+
+def timed_step(engine, x):
+    """One DeepSpeed-style step (forward with ``labels=x``, backward, step) on a zeal or
+    DeepSpeed engine. Returns (loss, forward_s, backward_s, step_s)."""
+    t0 = time.perf_counter()
+    loss = engine(x, labels=x)
+    t1 = time.perf_counter()
+    engine.backward(loss)
+    t2 = time.perf_counter()
+    engine.step()
+    return loss, t1 - t0, t2 - t1, time.perf_counter() - t2

@@ -23,6 +23,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _shared import timed_step  # noqa: E402
 
 
 def disk_bandwidth(path: str, gib: int = 4) -> tuple[float, float]:
@@ -69,16 +73,10 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for step in range(args.steps):
         x = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=g)
-        t0 = time.perf_counter()
-        loss = engine(x, labels=x)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
+        loss, fwd, bwd, opt = timed_step(engine, x)
         st = engine._p.zero_optimizer.last_stats
-        rows.append({"step": step, "loss": loss.item(), "forward_s": t1 - t0, "backward_s": t2 - t1,
-                     "optimizer_s": t3 - t2, "opt_io_wait_s": st.io_wait_seconds,
+        rows.append({"step": step, "loss": loss.item(), "forward_s": fwd, "backward_s": bwd,
+                     "optimizer_s": opt, "opt_io_wait_s": st.io_wait_seconds,
                      "opt_bytes": st.bytes_read + st.bytes_written})
         if engine.rank == 0:
             print(json.dumps(rows[-1]), flush=True)

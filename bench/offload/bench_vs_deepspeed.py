@@ -50,7 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
-from _shared import clear_stale_extension_locks, load_gpt, peak_rss_mib  # noqa: E402
+from _shared import clear_stale_extension_locks, load_gpt, peak_rss_mib, timed_step  # noqa: E402
 
 SIZES = {
     # ~10.1M parameters (tied head counted once): the model of bench/train/bench_zero.py
@@ -146,14 +146,8 @@ def worker(spec: dict) -> None:
     rows = []
     for _ in range(spec["warmup"] + spec["steps"]):
         x = torch.randint(0, min(spec["data_vocab"], cfg.vocab_size), (micro, seq), generator=gen)
-        t0 = time.perf_counter()
-        loss = engine(x, labels=x)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        t2 = time.perf_counter()
-        engine.step()
-        t3 = time.perf_counter()
-        rows.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2, float(loss.detach().float())))
+        loss, fwd, bwd, opt = timed_step(engine, x)
+        rows.append((fwd + bwd + opt, fwd, bwd, opt, float(loss.detach().float())))
     on_disk = _du(spec["swap"]) if spec["offload"] == "nvme" else 0
     mine = dict(rank=rank, rows=rows, rss_mib=peak_rss_mib(), rss_build_mib=rss_build, build_s=build_s, disk=on_disk)
     gathered = [None] * world

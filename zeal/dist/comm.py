@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from zeal.dist.buffers import BufferPool
 from zeal.dist.context import DistContext
 from zeal.dist.p2p import all_gather_p2p, reduce_scatter_p2p
 
@@ -92,7 +93,7 @@ class Comm:
         # gloo's flat collectives are 2-3x slower than pairwise sends (see zeal.dist.p2p)
         self.pairwise = self.active and dist.get_backend(self.group) == "gloo"
         self._me = self.ranks.index(ctx.rank) if ctx.rank in self.ranks else 0
-        self._scratch: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._scratch = BufferPool()  # chunks received by reduce-scatters on more than 2 ranks
 
     @property
     def active(self) -> bool:
@@ -111,7 +112,8 @@ class Comm:
         return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or Done()
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, kind: str, async_op: bool = False):
-        """``out`` (n·s elements) receives every rank's ``shard`` (s elements) in rank order."""
+        """``out`` (n·s elements) receives every rank's ``shard`` (s elements) in rank order;
+        ``shard`` may be this rank's own chunk of ``out``."""
         if not self.active:
             if out.data_ptr() != shard.data_ptr():
                 out.copy_(shard.view(out.shape))
@@ -123,6 +125,8 @@ class Comm:
                 if not async_op:
                     work.wait()
             else:
+                if shard.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+                    shard = shard.clone()  # the flat collective may not read and write one buffer
                 work = all_gather_flat(out, shard, group=self.group, async_op=async_op)
         return work or Done()
 
@@ -134,18 +138,10 @@ class Comm:
         self._account("reduce_scatter", kind, full.numel(), full.element_size())
         if not self.pairwise:
             return reduce_scatter_flat(out, full, group=self.group, async_op=async_op) or Done()
-        work = reduce_scatter_p2p(out, full, self.group, self._me, self.size, self._take_scratch,
-                                  self._give_scratch)
+        work = reduce_scatter_p2p(out, full, self.group, self._me, self.size, self._scratch)
         if not async_op:
             work.wait()
         return work
-
-    def _take_scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        free = self._scratch.get((numel, like.dtype, like.device))
-        return free.pop() if free else torch.empty(numel, dtype=like.dtype, device=like.device)
-
-    def _give_scratch(self, t: torch.Tensor) -> None:
-        self._scratch.setdefault((t.numel(), t.dtype, t.device), []).append(t)
 
     def broadcast(self, t: torch.Tensor, src: int, kind: str) -> None:
         if not self.active:

@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from zeal.dist.buffers import BufferPool
+
 _tags: dict[int, itertools.count] = {}
 
 
@@ -43,9 +45,6 @@ class P2PWork:
             finish()
         return True
 
-    def is_completed(self) -> bool:
-        return not self._works and self._finish is None
-
 
 def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
               group: dist.ProcessGroup) -> list:
@@ -68,24 +67,23 @@ def all_gather_p2p(out: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGr
 
 
 def reduce_scatter_p2p(out: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup, rank: int,
-                       size: int, take: Callable[[int, torch.Tensor], torch.Tensor],
-                       give: Callable[[torch.Tensor], None]) -> P2PWork:
+                       size: int, scratch: BufferPool) -> P2PWork:
     """``out`` (s elements) gets the sum over ranks of this rank's chunk of ``full``.
 
     The chunks arriving from the other ranks land in ``out`` (the first) and in
-    ``size - 2`` scratch buffers from ``take(numel, like)``; they are summed with
-    this rank's own chunk when the handle is waited on, then handed to ``give``.
+    ``size - 2`` buffers taken from ``scratch``; they are summed with this rank's own
+    chunk when the handle is waited on, then given back.
     """
     chunks = full.view(-1).chunk(size)
     peers = [(rank + k) % size for k in range(1, size)]
     out = out.view(-1)
-    bufs = [out] + [take(out.numel(), out) for _ in peers[1:]]
+    bufs = [out] + [scratch.take(out.numel(), out.dtype, out.device) for _ in peers[1:]]
     works = _exchange([(chunks[p], p) for p in peers], list(zip(bufs, peers)), group)
 
     def finish() -> None:
         out.add_(chunks[rank])
         for b in bufs[1:]:
             out.add_(b)
-            give(b)
+            scratch.give(b)
 
     return P2PWork(works, finish)

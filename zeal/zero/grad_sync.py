@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 
+from zeal.dist.buffers import BufferPool
 from zeal.dist.comm import Comm
 from zeal.zero.units import FlatUnit
 
@@ -51,7 +52,7 @@ class GradReducer:
         self.acc: dict[int, torch.Tensor] = {}       # summed shard per unit (stage 1: at boundary; 2/3: accumulated)
         self._flat: dict[int, torch.Tensor] = {}     # transient flat grads (scatter_every_step)
         self._got: dict[int, set[int]] = {}          # which slots of a transient flat grad are filled
-        self._pool: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}  # buffers to reuse
+        self._pool = BufferPool()  # flat gradient and reduce-scatter output buffers
         self._pending: list[tuple[FlatUnit, object, torch.Tensor | None, torch.Tensor | None]] = []
         self._inflight = 0
         self._ready_count: dict[int, int] = {}
@@ -165,14 +166,12 @@ class GradReducer:
                 self._give(flat)
                 self._give(out)
 
-    # -- reusable flat buffers: no fresh allocation (page faults, zero-fill) per unit per step
     def _take(self, numel: int, u: FlatUnit) -> torch.Tensor:
-        free = self._pool.get((numel, u.dtype))
-        return free.pop() if free else torch.empty(numel, dtype=u.dtype, device=u.device)
+        return self._pool.take(numel, u.dtype, u.device)
 
     def _give(self, t: torch.Tensor) -> None:
         if t._base is None:  # not a view of an autograd gradient
-            self._pool.setdefault((t.numel(), t.dtype), []).append(t)
+            self._pool.give(t)
 
     def wait_all(self) -> None:
         """Complete every reduction in flight, starting none."""
@@ -212,7 +211,7 @@ class GradReducer:
 
     def buffer_nbytes(self) -> int:
         """Bytes of reusable flat buffers kept between steps (bounded by what was in flight)."""
-        return sum(t.numel() * t.element_size() for free in self._pool.values() for t in free)
+        return self._pool.nbytes()
 
     def nbytes(self) -> int:
         """Persistent gradient bytes held by this rank."""

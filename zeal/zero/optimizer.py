@@ -28,11 +28,9 @@ from zeal.zero.units import FlatUnit
 
 
 def gather_replicated(comm: Comm, units: list[FlatUnit]) -> None:
-    """Stages 1–2: after each rank updated its shard, rebuild every unit's full buffer.
-    The shard is a view of ``full``: pairwise gathers send it in place; the flat
-    collective needs it copied out first."""
-    works = [comm.all_gather(u.full, u.shard if comm.pairwise else u.shard.clone(), "param", async_op=True)
-             for u in units]
+    """Stages 1–2: after each rank updated its shard (a view of ``full``), rebuild every
+    unit's full buffer."""
+    works = [comm.all_gather(u.full, u.shard, "param", async_op=True) for u in units]
     for w in works:
         w.wait()
 
