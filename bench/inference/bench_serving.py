@@ -90,8 +90,8 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]
     return [[rng.randrange(100, vocab - 100) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_zeal(model, prompts, new_tokens, arrivals, budget, kv_mb) -> list[Trace]:
-    engine = LLMEngine(model, None, EngineConfig(block_size=16, kv_cache_bytes=kv_mb << 20,
+def run_zeal(model, prompts, new_tokens, arrivals, budget, kv_mb, block_size=None) -> list[Trace]:
+    engine = LLMEngine(model, None, EngineConfig(block_size=block_size, kv_cache_bytes=kv_mb << 20,
                                                  max_num_batched_tokens=budget, max_num_seqs=64))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -194,6 +194,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=512, help="SplitFuse token budget per pass")
     ap.add_argument("--kv-mb", type=int, default=1024)
+    ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     ap.add_argument("--poisson-load", type=float, default=0.7,
                     help="Poisson arrival rate as a fraction of the all-at-once request throughput")
     ap.add_argument("--models", default="smollm2,gpt2-small")
@@ -203,6 +204,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="8 requests, 32-128 prompt, 16 new tokens")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine OpenMP spinning with more collapses)")
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="weights and compute of both systems (zeal's KV cache follows)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args()
     if args.quick:
@@ -211,22 +214,23 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = None if name == "smollm2" else gpt2_small_folder(Path(tmp))
-            model, tok, _ = load_model_and_tokenizer(path)
+            model, tok, _ = load_model_and_tokenizer(path, dtype)
             from zeal.inference.llm import resolve_model_path
 
             vocab = model.config.vocab_size
             prompts = workload(args.requests, args.prompt_min, args.prompt_max, vocab, seed=0)
             print(f"\n== {name}: {args.requests} requests, prompts {args.prompt_min}-{args.prompt_max} tokens "
                   f"(mean {statistics.mean(map(len, prompts)):.0f}), {args.new_tokens} new tokens, "
-                  f"{torch.get_num_threads()} threads", flush=True)
+                  f"{torch.get_num_threads()} threads, {args.dtype}", flush=True)
             rows = []
-            run_zeal(model, prompts[:2], 2, [0.0, 0.0], args.budget, args.kv_mb)  # warm-up
+            run_zeal(model, prompts[:2], 2, [0.0, 0.0], args.budget, args.kv_mb, args.block_size)  # warm-up
             z = summarize("zeal all-at-once", run_zeal(model, prompts, args.new_tokens, [0.0] * len(prompts),
-                                                       args.budget, args.kv_mb))
+                                                       args.budget, args.kv_mb, args.block_size))
             rows.append(z)
             print(json.dumps(z), flush=True)
             rate = args.poisson_load * z["req_per_s"]
@@ -236,11 +240,11 @@ def main() -> int:
                 t += rng.expovariate(rate)
                 arrivals.append(t)
             zp = summarize(f"zeal poisson {rate:.2f} req/s", run_zeal(model, prompts, args.new_tokens, arrivals,
-                                                                     args.budget, args.kv_mb))
+                                                                     args.budget, args.kv_mb, args.block_size))
             rows.append(zp)
             print(json.dumps(zp), flush=True)
             if not args.no_hf:
-                hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=torch.float32).eval()
+                hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype).eval()
                 hs = summarize("HF static batch 8", run_hf(hf, prompts, args.new_tokens, 8))
                 rows.append(hs)
                 print(json.dumps(hs), flush=True)

@@ -5,13 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeal.inference.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillChunk,
-    group_by_width,
-    paged_attention,
-)
+from zeal.inference.attention import AttentionMetadata, PrefillChunk, paged_attention, plan_decodes
 from zeal.models.llama import dense_causal_attention
 
 
@@ -31,8 +25,8 @@ def test_paged_equals_dense(nh, nkv):
     qs = [torch.randn(n, nh, hd) for n in lens]
     ks = [torch.randn(n, nkv, hd) for n in lens]
     vs = [torch.randn(n, nkv, hd) for n in lens]
-    kc = torch.zeros(nblocks, bs, nkv, hd)
-    vc = torch.zeros(nblocks, bs, nkv, hd)
+    kc = torch.zeros(nblocks, nkv, bs, hd)
+    vc = torch.zeros(nblocks, nkv, bs, hd)
 
     def slots(t, a, b):
         return [t[p // bs] * bs + p % bs for p in range(a, b)]
@@ -61,10 +55,7 @@ def test_paged_equals_dense(nh, nkv):
         else:
             meta2.prefills.append(PrefillChunk(row, n, lens[i], torch.tensor(tables[i])))
         row += n
-    width = max(len(t) for _, t, _ in dec)
-    meta2.decode_rows = torch.tensor([r for r, _, _ in dec])
-    meta2.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for _, t, _ in dec])
-    meta2.decode_ctx_lens = torch.tensor([n for _, _, n in dec])
+    meta2.decodes = plan_decodes([r for r, _, _ in dec], [t for _, t, _ in dec], [n for _, _, n in dec], bs)
     out2 = paged_attention(q2, k2, v2, kc, vc, meta2)
 
     row1 = row2 = 0
@@ -78,47 +69,80 @@ def test_paged_equals_dense(nh, nkv):
         row2 += n
 
 
-def test_group_by_width_partitions_and_prices_groups():
-    widths = [1, 30, 2, 29, 3, 31, 1, 28]
-    groups = group_by_width(widths, group_cost=4)
-    assert sorted(sum(groups, [])) == list(range(len(widths)))
-    assert [sorted(widths[i] for i in g) for g in groups] == [[1, 1, 2, 3], [28, 29, 30, 31]]
-    assert group_by_width([5] * 6) == [list(range(6))]  # equal widths: one group
-    assert group_by_width([]) == []
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("nh,nkv", [(4, 2), (6, 1)])
-def test_grouped_decodes_equal_dense(nh, nkv):
-    """Decode tokens of very different context lengths, attended in several width groups."""
-    torch.manual_seed(1)
-    hd, bs, nblocks = 8, 4, 128
-    lens = [2, 3, 9, 17, 30, 41, 5, 60]  # tokens per sequence; the last one is this pass's decode token
-    perm = torch.randperm(nblocks).tolist()
-    tables, used = [], 0
-    for n in lens:
-        k = -(-n // bs)
-        tables.append(perm[used : used + k])
-        used += k
-    kc, vc = torch.zeros(nblocks, bs, nkv, hd), torch.zeros(nblocks, bs, nkv, hd)
+def _decode_case(nh, nkv, lens, tables, nblocks, hd=8, bs=4, seed=1):
+    """Decode tokens of sequences with ``lens`` tokens (the last one new) and block ``tables``."""
+    torch.manual_seed(seed)
+    kc, vc = torch.zeros(nblocks, nkv, bs, hd), torch.zeros(nblocks, nkv, bs, hd)
     qs = [torch.randn(n, nh, hd) for n in lens]
     ks = [torch.randn(n, nkv, hd) for n in lens]
     vs = [torch.randn(n, nkv, hd) for n in lens]
     for i, n in enumerate(lens):  # the cached prefix of every sequence
         for p in range(n - 1):
-            kc[tables[i][p // bs], p % bs], vc[tables[i][p // bs], p % bs] = ks[i][p], vs[i][p]
+            b = tables[i][p // bs]
+            if kc[b, :, p % bs].any():  # a shared block: the same prefix must be there
+                ks[i][p], vs[i][p] = kc[b, :, p % bs], vc[b, :, p % bs]
+            kc[b, :, p % bs], vc[b, :, p % bs] = ks[i][p], vs[i][p]
     q = torch.stack([x[-1] for x in qs])
     k = torch.stack([x[-1] for x in ks])
     v = torch.stack([x[-1] for x in vs])
     slots = torch.tensor([tables[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
-    groups = group_by_width([len(t) for t in tables], group_cost=0)
-    assert len(groups) > 2
-    meta = AttentionMetadata(slots)
-    for g in groups:
-        w = max(len(tables[i]) for i in g)
-        meta.decode_groups.append(DecodeGroup(torch.tensor(g), torch.tensor([tables[i] + [0] * (w - len(tables[i]))
-                                                                             for i in g]),
-                                              torch.tensor([lens[i] for i in g])))
-    out = paged_attention(q, k, v, kc.clone(), vc.clone(), meta)
+    return q, k, v, kc, vc, slots, qs, ks, vs
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("nh,nkv", [(4, 2), (6, 1), (3, 3)])
+@pytest.mark.parametrize("layout", ["scattered", "packed", "mixed"])
+def test_decodes_equal_dense(nh, nkv, layout):
+    """Decode tokens of very different context lengths, their blocks read in place
+    (packed runs), gathered (scattered), or both."""
+    bs = 4
+    lens = [2, 3, 9, 17, 30, 41, 5, 60]  # tokens per sequence; the last one is this pass's decode token
+    counts = [-(-n // bs) for n in lens]
+    nblocks = 800
+    if layout == "scattered":  # every block 3+ away from the next: no run
+        order = torch.randperm(200, generator=torch.Generator().manual_seed(3)).mul(4).tolist()
+    elif layout == "packed":  # interleaved as decode steps allocate them, a few holes
+        order = [b for b in range(nblocks) if b % 7 != 3]
+    else:
+        order = list(range(40)) + torch.randperm(120, generator=torch.Generator().manual_seed(4)).add(40).tolist()
+    tables, used = [], 0
+    for c in counts:
+        tables.append(order[used : used + c])
+        used += c
+    q, k, v, kc, vc, slots, qs, ks, vs = _decode_case(nh, nkv, lens, tables, nblocks, bs=bs)
+    meta = AttentionMetadata(slots, decodes=plan_decodes(list(range(len(lens))), tables, lens, bs,
+                                                         max_gap=2, min_run=3))
+    kinds = {seg.blocks is None for seg in meta.decodes.segments}
+    assert kinds == {"scattered": {False}, "packed": {True}, "mixed": {True, False}}[layout]
+    out = paged_attention(q, k, v, kc, vc, meta)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i], dense_causal_attention(qs[i], ks[i], vs[i])[-1])
+
+
+@pytest.mark.timeout(30)
+def test_decodes_sharing_blocks_equal_dense():
+    """Two decodes read the same prefix blocks (prefix caching, n > 1): the second
+    reader's blocks are gathered, each sequence still sees exactly its own context."""
+    bs, nh, nkv = 4, 4, 2
+    lens = [14, 11, 9]
+    tables = [[0, 1, 2, 3], [0, 1, 4], [0, 5, 6]]  # block 0 is shared by all, block 1 by two
+    q, k, v, kc, vc, slots, qs, ks, vs = _decode_case(nh, nkv, lens, tables, 8, bs=bs)
+    plan = plan_decodes([0, 1, 2], tables, lens, bs, min_run=1)
+    assert sum(seg.owner.numel() for seg in plan.segments) == sum(-(-n // bs) for n in lens)
+    out = paged_attention(q, k, v, kc, vc, AttentionMetadata(slots, decodes=plan))
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i], dense_causal_attention(qs[i], ks[i], vs[i])[-1])
+
+
+def test_plan_decodes_runs_and_holes():
+    # blocks 0-9 read by two decodes, 10-11 nobody's (a hole), 12-15 decode 0 again, 40 far away
+    tables = [[0, 2, 4, 6, 8, 12, 13, 14, 15, 40], [1, 3, 5, 7, 9]]
+    lens = [4 * 10 - 1, 4 * 5]
+    plan = plan_decodes([7, 3], tables, lens, 4, max_gap=2, min_run=3)
+    sliced = [s for s in plan.segments if s.blocks is None]
+    gathered = [s for s in plan.segments if s.blocks is not None]
+    assert [(s.start, s.stop) for s in sliced] == [(0, 16)]
+    assert sliced[0].owner[10:12].tolist() == [2, 2]  # the hole reads with the zero query
+    assert gathered[0].blocks.tolist() == [40] and gathered[0].owner.tolist() == [0]
+    assert gathered[0].mask[0].tolist() == [False, False, False, True]  # 3 tokens in the last block
+    assert plan.rows.tolist() == [7, 3]

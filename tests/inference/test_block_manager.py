@@ -34,7 +34,8 @@ def check_blocks(engine: LLMEngine) -> None:
         assert not s.block_table, "a waiting sequence holds blocks"
     for b in range(bm.num_blocks):
         assert bm.ref_count[b] == refs.get(b, 0), f"block {b}: ref {bm.ref_count[b]} != {refs.get(b, 0)} tables"
-        assert (b in bm.free) == (bm.ref_count[b] == 0)
+        assert bm.is_free(b) == (bm.ref_count[b] == 0)
+    assert bm.num_free_blocks == sum(1 for b in range(bm.num_blocks) if bm.ref_count[b] == 0)
     for s in engine.scheduler.running:
         assert len(s.block_table) >= blocks_for(s.num_computed, bm.block_size)
     for h, b in bm.cached.items():

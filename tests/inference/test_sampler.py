@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeal.inference import LLM, SamplingParams
-from zeal.inference.sampler import apply_penalties, filter_logits, sample
+from zeal.inference.sampler import apply_penalties, draw, filter_logits, sample
 
 
 def test_filters():
@@ -25,6 +25,20 @@ def test_penalties():
     assert out.tolist() == [1.0, -4.0, 1.0, 0.0]
     out = apply_penalties(logits, [0], [1, 1, 2], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
     assert out.tolist() == [2.0, -3.0, 0.25, 0.0]
+
+
+def test_draw_follows_the_distribution():
+    """Inverse-CDF draws: frequencies match the probabilities (within 5 sigma over
+    20k draws), zero-probability tokens never come out, an edge token can."""
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(n)]), minlength=7).double()
+    assert counts[probs == 0].sum() == 0
+    sigma = (n * probs * (1 - probs)).sqrt()
+    assert ((counts - n * probs).abs() <= 5 * sigma + 1e-9).all(), counts.tolist()
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    assert draw(torch.tensor([1.0, 0.0, 0.0]), g) == 0
 
 
 def test_seed_reproducible_and_greedy():

@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV-cache block (default: 64 on CPU, 16 on accelerators)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-mb)")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory when --num-blocks is not given")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="SplitFuse token budget per forward pass")

@@ -1,14 +1,24 @@
-"""Paged attention in pure torch: K/V live in blocks, gathered through block tables.
+"""Paged attention in pure torch: K/V live in blocks, addressed through block tables.
 
 Cache layout per layer: ``k_cache, v_cache`` of shape
-``(num_blocks, block_size, n_kv_heads, head_dim)``. Token ``p`` of a sequence
-lives in slot ``p % block_size`` of block ``block_table[p // block_size]``.
+``(num_blocks, n_kv_heads, block_size, head_dim)``. Token ``p`` of a sequence
+lives in slot ``p % block_size`` of block ``block_table[p // block_size]``; one
+block of one head is a contiguous ``(block_size, head_dim)`` matrix.
 
 A ragged pass mixes decode tokens (one query per sequence) and prompt chunks.
-Decodes are batched into one masked attention over the padded gathered
-contexts; each prompt chunk attends on its own (causal, offset by the tokens
-already in cache). On CUDA ``F.scaled_dot_product_attention`` picks a fused
-kernel; on CPU it is the math path.
+
+Decodes are attended block by block, split-K style (flash-decoding): every
+(sequence, block) pair gives a partial softmax — its maximum score, its sum of
+exponentials and its weighted sum of values — and the partials of one sequence
+are merged by rescaling to their common maximum. Blocks are read where they lie:
+:func:`plan_decodes` turns the block tables into runs of consecutive block ids
+(the block manager hands out low ids first, so the blocks in use are packed),
+each a plain slice of the cache, and only blocks outside any run (or shared by
+a second sequence) are gathered. Grouped-query heads ride along as extra query
+rows of their K/V head, so K/V are never repeated per head.
+
+Each prompt chunk attends on its own (causal, offset by the tokens already in
+cache). On CUDA ``F.scaled_dot_product_attention`` picks a fused kernel there.
 """
 
 from __future__ import annotations
@@ -31,73 +41,147 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeGroup:
-    """Decode tokens attended together: their contexts are padded to the group's widest."""
+class BlockSegment:
+    """Cache blocks attended together: the slice ``[start, stop)`` of the cache, or the
+    gathered ``blocks``. Block ``i`` of the segment belongs to decode ``owner[i]`` (an
+    index into the pass's decodes; the number of decodes for a block nobody in this
+    pass reads) and holds ``valid[i]`` tokens; ``mask`` marks its empty slots."""
 
-    rows: torch.Tensor  # (D,) rows of decode tokens in the flat batch
-    block_tables: torch.Tensor  # (D, max_blocks), padded with 0
-    ctx_lens: torch.Tensor  # (D,)
+    owner: torch.Tensor  # (n,) long
+    mask: torch.Tensor | None  # (n, block_size) bool, True = no token there
+    start: int = 0
+    stop: int = 0
+    blocks: torch.Tensor | None = None  # (n,) long: gathered instead of sliced
+
+
+@dataclass
+class DecodePlan:
+    """How the decode tokens of one pass read the cache: ``rows`` of the flat batch,
+    attended over ``segments`` whose per-block partials are merged by owner."""
+
+    rows: torch.Tensor  # (D,)
+    segments: list[BlockSegment]
+    owner: torch.Tensor  # (sum of segment lengths,): the segments' owners, concatenated
+
+    @property
+    def num_decodes(self) -> int:
+        return self.rows.numel()
 
 
 @dataclass
 class AttentionMetadata:
-    """How the flat batch maps onto the paged cache for one pass.
-
-    Decodes come either as one group (``decode_rows``, ``decode_block_tables``,
-    ``decode_ctx_lens``) or as several ``decode_groups`` of similar context
-    lengths, so that short contexts are not padded to the longest one.
-    """
+    """How the flat batch maps onto the paged cache for one pass."""
 
     slot_mapping: torch.Tensor  # (T,) flat slot index of each new token
-    decode_rows: torch.Tensor | None = None  # (D,) rows of decode tokens in the flat batch
-    decode_block_tables: torch.Tensor | None = None  # (D, max_blocks), padded with 0
-    decode_ctx_lens: torch.Tensor | None = None  # (D,)
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-
-    def all_decode_groups(self) -> list[DecodeGroup]:
-        groups = list(self.decode_groups)
-        if self.decode_rows is not None and self.decode_rows.numel():
-            groups.append(DecodeGroup(self.decode_rows, self.decode_block_tables, self.decode_ctx_lens))
-        return groups
+    decodes: DecodePlan | None = None
 
 
-def group_by_width(widths: list[int], group_cost: int = 32) -> list[list[int]]:
-    """Partition decode indices into groups of similar context width (in blocks).
+def plan_decodes(rows: list[int], tables: list[list[int]], ctx_lens: list[int], block_size: int,
+                 device: torch.device | str = "cpu", max_gap: int = 32, min_run: int = 8) -> DecodePlan:
+    """Segments for decode ``i`` (row ``rows[i]``, blocks ``tables[i]``, ``ctx_lens[i]``
+    tokens in cache, its new one included).
 
-    Minimises ``sum(len(group) * max_width(group)) + group_cost * num_groups``
-    (padded blocks gathered, plus a fixed price per group for its extra kernel
-    launches) over contiguous runs of the indices sorted by width; O(D^2).
+    Each block read by some decode is sliced in place when it lies in a run of
+    at least ``min_run`` such blocks whose holes are at most ``max_gap`` blocks
+    wide (a hole costs reading blocks nobody needs; a segment costs a dozen
+    kernel launches per layer); the rest — scattered blocks, and blocks that a
+    second decode shares (prefix caching, ``n > 1``) — are gathered into one
+    segment.
     """
-    order = sorted(range(len(widths)), key=lambda i: widths[i])
-    n = len(order)
-    if n <= 2:
-        return [order] if order else []
-    best = [0] + [0] * n  # best[j]: cost of the j narrowest
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        w = widths[order[j - 1]]  # the widest of any group ending at j
-        best[j], cut[j] = min((best[i] + (j - i) * w + group_cost, i) for i in range(j))
-    groups, j = [], n
-    while j:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
+    num = len(rows)
+    owned: dict[int, tuple[int, int]] = {}  # block -> (decode, tokens in it)
+    extra: list[tuple[int, int, int]] = []  # (block, decode, tokens) for a second reader
+    for d, (table, n) in enumerate(zip(tables, ctx_lens)):
+        for j, b in enumerate(table[: -(-n // block_size)]):
+            item = (d, min(block_size, n - j * block_size))
+            if b in owned:
+                extra.append((b, *item))
+            else:
+                owned[b] = item
+    runs: list[list[int]] = []
+    for b in sorted(owned):
+        if runs and b - runs[-1][-1] - 1 <= max_gap:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    segments: list[BlockSegment] = []
+    owners: list[torch.Tensor] = []
+
+    def add(owner: list[int], valid: list[int], **where) -> None:
+        o = torch.tensor(owner, dtype=torch.long, device=device)
+        v = torch.tensor(valid, device=device)
+        mask = None
+        if min(valid) < block_size:
+            mask = torch.arange(block_size, device=device)[None, :] >= v[:, None]
+        segments.append(BlockSegment(owner=o, mask=mask, **where))
+        owners.append(o)
+
+    for run in runs:
+        if len(run) < min_run:
+            extra.extend((b, *owned[b]) for b in run)
+            continue
+        start, stop = run[0], run[-1] + 1
+        owner, valid = [num] * (stop - start), [block_size] * (stop - start)  # holes: a zero query
+        for b in run:
+            owner[b - start], valid[b - start] = owned[b]
+        add(owner, valid, start=start, stop=stop)
+    if extra:
+        add([d for _, d, _ in extra], [n for _, _, n in extra],
+            blocks=torch.tensor([b for b, _, _ in extra], dtype=torch.long, device=device))
+    owner = torch.cat(owners) if owners else torch.empty(0, dtype=torch.long, device=device)
+    return DecodePlan(rows=torch.tensor(rows, dtype=torch.long, device=device), segments=segments, owner=owner)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store new keys/values ``(T, n_kv, hd)`` at their slots."""
-    nb, bs, nkv, hd = k_cache.shape
-    k_cache.view(nb * bs, nkv, hd).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, nkv, hd).index_copy_(0, slots, v.to(v_cache.dtype))
+    bs = k_cache.shape[2]
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, :, off] = k.to(k_cache.dtype)
+    v_cache[blk, :, off] = v.to(v_cache.dtype)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, ctx_len: int) -> torch.Tensor:
-    """Contiguous ``(ctx_len, n_kv, hd)`` view of one sequence's cached keys or values."""
-    bs = cache.shape[1]
+    """``(n_kv, ctx_len, hd)``: one sequence's cached keys or values, contiguous per head."""
+    nkv, bs, hd = cache.shape[1:]
     if ctx_len <= bs:
-        return cache[block_table[0], :ctx_len]
-    return cache.index_select(0, block_table).reshape(-1, *cache.shape[2:])[:ctx_len]
+        return cache[block_table[0], :, :ctx_len]
+    blocks = cache.index_select(0, block_table[: -(-ctx_len // bs)])  # (nb, nkv, bs, hd)
+    return blocks.transpose(0, 1).reshape(nkv, -1, hd)[:, :ctx_len]
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """Attention of one query per decode ``(D, nh, hd)`` over its cached context."""
+    d, nh, hd = q.shape
+    nkv = k_cache.shape[1]
+    g = nh // nkv
+    # query heads of one K/V head are rows of one small matrix; row d is a zero query for holes
+    qx = torch.zeros(d + 1, nkv, g, hd, dtype=q.dtype, device=q.device)
+    qx[:d] = q.view(d, nkv, g, hd) * hd**-0.5
+    maxes, sums, outs = [], [], []
+    for seg in plan.segments:
+        if seg.blocks is None:
+            kb, vb = k_cache[seg.start : seg.stop], v_cache[seg.start : seg.stop]
+        else:
+            kb, vb = k_cache.index_select(0, seg.blocks), v_cache.index_select(0, seg.blocks)
+        # scores (n, nkv, g, bs); the softmax arithmetic in fp32 (bf16 elementwise ops are slow on CPU)
+        s = torch.matmul(qx.index_select(0, seg.owner), kb.transpose(-1, -2).to(q.dtype)).float()
+        if seg.mask is not None:
+            s.masked_fill_(seg.mask[:, None, None, :], float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        e = s.sub_(m).exp_()
+        sums.append(e.sum(-1, keepdim=True))
+        outs.append(torch.matmul(e.to(q.dtype), vb.to(q.dtype)))
+        maxes.append(m)
+    m, s = torch.cat(maxes), torch.cat(sums)
+    o = torch.cat(outs).float() if len(outs) > 1 else outs[0].float()
+    idx = plan.owner.view(-1, 1, 1, 1)
+    top = torch.full((d + 1, nkv, g, 1), float("-inf"), device=q.device)
+    top.scatter_reduce_(0, idx.expand_as(m), m, "amax")
+    w = torch.exp(m - top.index_select(0, plan.owner))
+    num = torch.zeros(d + 1, nkv, g, hd, device=q.device).index_add_(0, plan.owner, o * w)
+    den = torch.zeros(d + 1, nkv, g, 1, device=q.device).index_add_(0, plan.owner, s * w)
+    return (num[:d] / den[:d]).to(q.dtype).view(d, nh, hd)
 
 
 def paged_attention(
@@ -111,21 +195,10 @@ def paged_attention(
     """Write this pass's K/V into the cache, then attend. q: (T, nh, hd); k, v: (T, nkv, hd)."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
-    nh, nkv = q.shape[1], k.shape[1]
-    gqa = nh != nkv
-    for g in meta.all_decode_groups():
-        tables, lens = g.block_tables, g.ctx_lens
-        d, mb = tables.shape
-        bs = k_cache.shape[1]
-        # index_select copies whole blocks: about 2x faster than advanced indexing on CPU
-        flat = tables.reshape(-1)
-        kd = k_cache.index_select(0, flat).view(d, mb * bs, nkv, -1).transpose(1, 2)  # (D, nkv, L, hd)
-        vd = v_cache.index_select(0, flat).view(d, mb * bs, nkv, -1).transpose(1, 2)
-        mask = torch.arange(mb * bs, device=q.device)[None, :] < lens[:, None]  # (D, L)
-        qd = q[g.rows].unsqueeze(2)  # (D, nh, 1, hd)
-        y = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=mask[:, None, None, :],
-                                           enable_gqa=gqa)
-        out[g.rows] = y.squeeze(2)
+    gqa = q.shape[1] != k.shape[1]
+    plan = meta.decodes
+    if plan is not None and plan.num_decodes:
+        out[plan.rows] = decode_attention(q.index_select(0, plan.rows), k_cache, v_cache, plan)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
         # 4-D (1, heads, len, hd): the fused kernels want a batch dimension
@@ -134,8 +207,8 @@ def paged_attention(
             kc, vc = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]
             y = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=gqa)
         else:
-            kc = gather_kv(k_cache, c.block_table, c.ctx_len).transpose(0, 1)[None].to(q.dtype)
-            vc = gather_kv(v_cache, c.block_table, c.ctx_len).transpose(0, 1)[None].to(q.dtype)
+            kc = gather_kv(k_cache, c.block_table, c.ctx_len)[None].to(q.dtype)
+            vc = gather_kv(v_cache, c.block_table, c.ctx_len)[None].to(q.dtype)
             # query i sits at absolute position ctx_len - q_len + i and sees keys <= it
             qpos = torch.arange(c.ctx_len - c.q_len, c.ctx_len, device=q.device)[:, None]
             mask = torch.arange(c.ctx_len, device=q.device)[None, :] <= qpos

@@ -9,7 +9,12 @@ tensors (the model runner does). Invariants (checked by
   two tables has a count >= 2;
 * only *full* blocks whose KV has been computed carry a prefix hash; a free
   block with a hash stays reusable (a prefix-cache hit) until it is handed out
-  fresh, oldest freed first.
+  fresh, oldest freed first, and only when no free block without a hash is left.
+
+Free blocks without cached content are handed out lowest id first, so that the
+blocks in use stay packed at the front of the cache: decode attention then reads
+long runs of blocks in place instead of gathering them
+(:func:`zeal.inference.attention.plan_decodes`).
 
 Prefix hashes are chained: block ``i``'s key is ``(hash of block i-1, its
 tokens)``, so a hit means the whole prefix matches, not just one block.
@@ -17,6 +22,7 @@ tokens)``, so a hit means the whole prefix matches, not just one block.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from zeal.inference.sequence import Sequence
@@ -37,7 +43,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU order
+        self.free_plain: list[int] = list(range(num_blocks))  # heap: free blocks without a hash
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # free blocks with a hash, LRU order
         self.block_hash: dict[int, int] = {}  # block -> hash (full, computed blocks only)
         self.cached: dict[int, int] = {}  # hash -> block
         self.seq_hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
@@ -47,11 +54,14 @@ class BlockManager:
     # ------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free_plain) + len(self.free_cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free_blocks
+
+    def is_free(self, b: int) -> bool:
+        return b in self.free_cached or b in self.free_plain
 
     def _chain(self, tokens: list[int], upto_blocks: int, known: list[int]) -> list[int]:
         hashes = list(known[:upto_blocks])
@@ -82,27 +92,30 @@ class BlockManager:
         hits = self._prefix_hits(seq)
         # hits on blocks already in use cost nothing; hits on free cached blocks still leave the pool
         in_use = sum(1 for b in hits if self.ref_count[b] > 0)
-        return need - in_use <= len(self.free)
+        return need - in_use <= self.num_free_blocks
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the next token of a decoding ``seq`` has a slot (a new or copied block if needed)."""
         idx = seq.num_computed // self.block_size
         if idx >= len(seq.block_table) or self.ref_count[seq.block_table[idx]] > 1:
-            return len(self.free) >= 1
+            return self.num_free_blocks >= 1
         return True
 
     # ------------------------------------------------------------ actions
     def _take_fresh(self) -> int:
-        b, _ = self.free.popitem(last=False)  # least recently freed
-        h = self.block_hash.pop(b, None)
-        if h is not None and self.cached.get(h) == b:
-            del self.cached[h]
+        if self.free_plain:
+            b = heapq.heappop(self.free_plain)
+        else:
+            b, _ = self.free_cached.popitem(last=False)  # evict the least recently freed
+            h = self.block_hash.pop(b)
+            if self.cached.get(h) == b:
+                del self.cached[h]
         self.ref_count[b] = 1
         return b
 
     def _take(self, b: int) -> None:
         if self.ref_count[b] == 0:
-            del self.free[b]
+            del self.free_cached[b]  # only blocks with a hash are found again
         self.ref_count[b] += 1
 
     def allocate(self, seq: Sequence) -> int:
@@ -174,10 +187,9 @@ class BlockManager:
             raise RuntimeError(f"block {b} freed twice")
         if self.ref_count[b] == 0:
             if b in self.block_hash:
-                self.free[b] = None  # most recently freed: evicted last
+                self.free_cached[b] = None  # most recently freed: evicted last
             else:
-                self.free[b] = None
-                self.free.move_to_end(b, last=False)  # no cached content: hand out first
+                heapq.heappush(self.free_plain, b)
 
     def free_seq(self, seq: Sequence) -> None:
         """Drop the sequence's references (tail first, so shared prefixes are evicted last)."""

@@ -29,7 +29,7 @@ from zeal.inference.tokenizer import Tokenizer
 class EngineConfig:
     """Memory and batching knobs of the engine."""
 
-    block_size: int = 16
+    block_size: int | None = None  # default: 64 tokens on CPU, 16 on accelerators
     num_blocks: int | None = None  # default: kv_cache_bytes / bytes per block
     kv_cache_bytes: int = 512 << 20
     max_num_batched_tokens: int = 512  # SplitFuse token budget per forward pass
@@ -57,12 +57,14 @@ class LLMEngine:
         self.tokenizer = tokenizer
         smodel = as_serving_model(model)
         p = next(smodel.parameters())
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, cfg.block_size, p.dtype))
-        self.runner = ModelRunner(smodel, num_blocks, cfg.block_size)
-        self.bm = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # on CPU, decode attention runs one small matmul per block: larger blocks amortise them
+        bs = cfg.block_size or (64 if p.device.type == "cpu" else 16)
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, bs, p.dtype))
+        self.runner = ModelRunner(smodel, num_blocks, bs)
+        self.bm = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs), self.bm)
         self.max_model_len = min(cfg.max_model_len or smodel.max_positions, smodel.max_positions)
-        self.max_seq_tokens = min(self.max_model_len, num_blocks * cfg.block_size)
+        self.max_seq_tokens = min(self.max_model_len, num_blocks * bs)
         self.vocab_size = smodel.config.vocab_size
         eos = list(eos_token_ids or [])
         if tokenizer is not None:

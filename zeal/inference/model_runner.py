@@ -8,13 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from zeal.inference.attention import (
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillChunk,
-    group_by_width,
-    paged_attention,
-)
+from zeal.inference.attention import AttentionMetadata, PrefillChunk, paged_attention, plan_decodes
 from zeal.inference.gpt_adapter import PagedGPT
 from zeal.inference.sequence import SchedulerOutput
 from zeal.models.gpt import GPT
@@ -47,7 +41,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_block_copies = 0
-        shape = (num_blocks, block_size, self.model.num_kv_heads, self.model.head_dim)
+        shape = (num_blocks, self.model.num_kv_heads, block_size, self.model.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
 
@@ -109,20 +103,14 @@ class ModelRunner:
                 sample_rows.append(row0 + n - 1)
             if n == 1 and start > 0:
                 dec_rows.append(row0)
-                dec_tables.append(table[: (start + bs) // bs])
+                dec_tables.append(table)
                 dec_lens.append(start + 1)
             else:
                 prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(table, device=self.device)))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills)
-        # decodes of similar context length are attended together: gathering every
-        # context padded to the longest one dominated CPU decode steps
-        for idx in group_by_width([len(t) for t in dec_tables]):
-            width = max(len(dec_tables[i]) for i in idx)
-            meta.decode_groups.append(DecodeGroup(
-                rows=torch.tensor([dec_rows[i] for i in idx], device=dev),
-                block_tables=torch.tensor([dec_tables[i] + [0] * (width - len(dec_tables[i])) for i in idx], device=dev),
-                ctx_lens=torch.tensor([dec_lens[i] for i in idx], device=dev)))
+        if dec_rows:
+            meta.decodes = plan_decodes(dec_rows, dec_tables, dec_lens, bs, dev)
         return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
                 torch.tensor(sample_rows, device=dev, dtype=torch.long))
 

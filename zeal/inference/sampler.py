@@ -56,6 +56,18 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from ``probs (V,)`` by inverting its CDF at a single uniform number.
+
+    Exact like ``torch.multinomial``, but ``multinomial`` draws one exponential
+    variate per vocabulary entry on CPU (~0.75 ms for 49k entries); this draws one.
+    """
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
+    # the first entry whose CDF exceeds u * total: never a zero-probability token
+    return int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).clamp_(max=probs.numel() - 1))
+
+
 def _logprob_info(logits: torch.Tensor, token: int, k: int) -> SampleResult:
     lp = torch.log_softmax(logits, -1)
     top = {}
@@ -88,7 +100,7 @@ def sample(
                 tok = int(row.argmax())
             else:
                 probs = torch.softmax(filter_logits(row, p), -1)
-                tok = int(torch.multinomial(probs, 1, generator=generators[i]))
+                tok = draw(probs, generators[i])
             results[i] = SampleResult(tok)
         if params[i].logprobs is not None:
             results[i] = _logprob_info(logits[i], results[i].token, params[i].logprobs)
