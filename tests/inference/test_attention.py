@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeal.inference.attention import AttentionMetadata, PrefillChunk, paged_attention, plan_decodes
+from zeal.inference.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    chunk_attention,
+    paged_attention,
+    plan_decodes,
+)
 from zeal.models.llama import dense_causal_attention
 
 
@@ -146,3 +152,19 @@ def test_plan_decodes_runs_and_holes():
     assert gathered[0].blocks.tolist() == [40] and gathered[0].owner.tolist() == [0]
     assert gathered[0].mask[0].tolist() == [False, False, False, True]  # 3 tokens in the last block
     assert plan.rows.tolist() == [7, 3]
+
+
+@pytest.mark.parametrize("length,ctx", [(40, 40), (25, 70), (1, 9)])
+def test_chunk_attention_reduced_precision_tiles(length, ctx):
+    """The CPU bf16 path (grouped matmuls over query tiles) against fp32 SDPA."""
+    torch.manual_seed(2)
+    nh, nkv, hd = 6, 2, 16
+    q, k, v = torch.randn(nh, length, hd), torch.randn(nkv, ctx, hd), torch.randn(nkv, ctx, hd)
+    ref = chunk_attention(q, k, v)  # fp32: SDPA
+    qpos = torch.arange(ctx - length, ctx)[:, None]
+    dense = torch.softmax((q.view(nkv, nh // nkv, length, hd) @ k[:, None].transpose(-1, -2)) * hd**-0.5
+                          + torch.where(torch.arange(ctx)[None, :] <= qpos, 0.0, float("-inf")), -1) @ v[:, None]
+    torch.testing.assert_close(ref, dense.reshape(nh, length, hd), atol=1e-5, rtol=1e-5)
+    low = chunk_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), tile=16)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)

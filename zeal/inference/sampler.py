@@ -88,7 +88,7 @@ def sample(
     results: list[SampleResult | None] = [None] * len(params)
     fast = [i for i, p in enumerate(params) if p.greedy and not p.needs_penalties]
     if fast:
-        toks = logits[fast].argmax(-1).tolist()
+        toks = (logits if len(fast) == len(params) else logits[fast]).argmax(-1).tolist()
         for i, t in zip(fast, toks):
             results[i] = SampleResult(t)
     for i, p in enumerate(params):

@@ -117,8 +117,10 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF ("rotate half") layout. x: (T, heads, hd); cos/sin: (T, 1, hd)."""
     h = x.shape[-1] // 2
-    rot = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-    return x * cos + rot * sin
+    out = x * cos  # plus rotate_half(x) * sin, without materialising the rotated copy
+    out[..., :h] -= x[..., h:] * sin[..., :h]
+    out[..., h:] += x[..., :h] * sin[..., h:]
+    return out
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
