@@ -145,3 +145,24 @@ def test_block_manager_prefix_hits_and_copy_on_write():
     assert bm.num_free_blocks == 8 and not any(bm.ref_count)
     d = Sequence(3, "d", [1, 2, 3, 4, 6, 6], p)  # cached blocks survive their owners
     assert bm.allocate(d) == 4
+
+
+def test_block_manager_hands_out_low_ids_and_evicts_cached_last():
+    """Blocks without cached content go out lowest id first (the blocks in use stay
+    packed for decode attention); blocks with a prefix hash only when none is left."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    p = SamplingParams()
+    a, b = Sequence(0, "a", [1, 2, 3], p), Sequence(1, "b", [4, 5, 6], p)
+    bm.allocate(a)
+    bm.allocate(b)
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    a.num_computed = 3
+    bm.commit(a)  # block 0 is full: it keeps its hash when freed
+    bm.free_seq(a)
+    c = Sequence(2, "c", [7, 8, 9], p)
+    bm.allocate(c)
+    assert c.block_table == [1, 4]  # the free block without a hash (1), then the next lowest (4)
+    d = Sequence(3, "d", [9, 9, 9], p)
+    bm.allocate(d)
+    assert d.block_table == [5, 0]  # the cached block 0 is evicted last
+    assert 0 not in bm.block_hash and not bm.cached

@@ -65,7 +65,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     cdf = probs.double().cumsum(0)
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
     # the first entry whose CDF exceeds u * total: never a zero-probability token
-    return int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True).clamp_(max=probs.numel() - 1))
+    i = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))
+    if i == probs.numel():  # u * total rounded up to the total itself
+        i = int(probs.nonzero()[-1])
+    return i
 
 
 def _logprob_info(logits: torch.Tensor, token: int, k: int) -> SampleResult:
