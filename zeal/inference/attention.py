@@ -174,11 +174,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         outs.append(torch.matmul(e.to(q.dtype), vb.to(q.dtype)))
         maxes.append(m)
     m, s = torch.cat(maxes), torch.cat(sums)
-    o = torch.cat(outs).float() if len(outs) > 1 else outs[0].float()
+    o = torch.cat(outs) if len(outs) > 1 else outs[0]
     idx = plan.owner.view(-1, 1, 1, 1)
     top = torch.full((d + 1, nkv, g, 1), float("-inf"), device=q.device)
     top.scatter_reduce_(0, idx.expand_as(m), m, "amax")
     w = torch.exp(m - top.index_select(0, plan.owner))
+    # o * w promotes a bf16/fp16 o to fp32 in the same pass
     num = torch.zeros(d + 1, nkv, g, hd, device=q.device).index_add_(0, plan.owner, o * w)
     den = torch.zeros(d + 1, nkv, g, 1, device=q.device).index_add_(0, plan.owner, s * w)
     return (num[:d] / den[:d]).to(q.dtype).view(d, nh, hd)

@@ -116,7 +116,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one pass; returns float32 logits ``(num_sampled_chunks, vocab)`` in chunk order."""
+        """Run one pass; returns logits ``(num_sampled_chunks, vocab)`` in chunk order, in the
+        model's dtype (greedy rows need only their argmax; the sampler upcasts the rest)."""
         self.copy_blocks(out.copies)
         if out.empty:
             return torch.empty(0, self.vocab_size)
@@ -126,4 +127,4 @@ class ModelRunner:
             return paged_attention(q, k, v, self.k_cache[layer], self.v_cache[layer], meta)
 
         logits = self.model(input_ids, positions, attn, logits_index=sample_rows)
-        return logits.float()
+        return logits

@@ -86,7 +86,8 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> list[SampleResult]:
-    """Draw one token per row of ``logits (S, V)``. ``histories[i]`` is ``(prompt_ids, output_ids)``.
+    """Draw one token per row of ``logits (S, V)`` (any float dtype; rows that need more
+    than an argmax are taken in fp32). ``histories[i]`` is ``(prompt_ids, output_ids)``.
     Logprobs are those of the model's distribution (before penalties and truncation)."""
     results: list[SampleResult | None] = [None] * len(params)
     fast = [i for i, p in enumerate(params) if p.greedy and not p.needs_penalties]
@@ -96,7 +97,7 @@ def sample(
             results[i] = SampleResult(t)
     for i, p in enumerate(params):
         if results[i] is None:
-            row = logits[i]
+            row = logits[i].float()
             if p.needs_penalties:
                 row = apply_penalties(row, *histories[i], p)
             if p.greedy:
@@ -106,5 +107,5 @@ def sample(
                 tok = draw(probs, generators[i])
             results[i] = SampleResult(tok)
         if params[i].logprobs is not None:
-            results[i] = _logprob_info(logits[i], results[i].token, params[i].logprobs)
+            results[i] = _logprob_info(logits[i].float(), results[i].token, params[i].logprobs)
     return results
