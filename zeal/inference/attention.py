@@ -45,7 +45,8 @@ class BlockSegment:
     """Cache blocks attended together: the slice ``[start, stop)`` of the cache, or the
     gathered ``blocks``. Block ``i`` of the segment belongs to decode ``owner[i]`` (an
     index into the pass's decodes; the number of decodes for a block nobody in this
-    pass reads) and holds ``valid[i]`` tokens; ``mask`` marks its empty slots."""
+    pass reads); ``mask`` marks the slots past a sequence's last token (None when every
+    block of the segment is full)."""
 
     owner: torch.Tensor  # (n,) long
     mask: torch.Tensor | None  # (n, block_size) bool, True = no token there
