@@ -52,3 +52,18 @@ def test_generate_text_helper(llama_dir):
 
     out = generate_text(str(llama_dir), ["ab", "cd"], max_tokens=3, temperature=0.0, block_size=4, num_blocks=64)
     assert len(out) == 2 and all(isinstance(t, str) and len(t) <= 3 for t in out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_llama_serving_forward_is_bit_identical_to_the_autograd_one(dtype):
+    """Without autograd, RMSNorm and the MLP compute in place: the same arithmetic."""
+    from zeal.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2)).to(dtype)
+    ids, pos = torch.randint(0, 100, (10,)), torch.arange(10)
+    with_grad = m(ids, pos)
+    assert with_grad.requires_grad
+    with torch.inference_mode():
+        assert torch.equal(m(ids, pos), with_grad.detach())
