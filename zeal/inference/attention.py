@@ -165,7 +165,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             kb, vb = k_cache[seg.start : seg.stop], v_cache[seg.start : seg.stop]
         else:
             kb, vb = k_cache.index_select(0, seg.blocks), v_cache.index_select(0, seg.blocks)
-        # scores (n, nkv, g, bs); the softmax arithmetic in fp32 (bf16 elementwise ops are slow on CPU)
+        # scores (n, nkv, g, bs); the softmax arithmetic in fp32
         s = torch.matmul(qx.index_select(0, seg.owner), kb.transpose(-1, -2).to(q.dtype)).float()
         if seg.mask is not None:
             s.masked_fill_(seg.mask[:, None, None, :], float("-inf"))
@@ -174,8 +174,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         sums.append(e.sum(-1, keepdim=True))
         outs.append(torch.matmul(e.to(q.dtype), vb.to(q.dtype)))
         maxes.append(m)
-    m, s = torch.cat(maxes), torch.cat(sums)
-    o = torch.cat(outs) if len(outs) > 1 else outs[0]
+    # usually one segment: its tensors are used as they are, not copied by cat
+    m, s, o = (xs[0] if len(xs) == 1 else torch.cat(xs) for xs in (maxes, sums, outs))
     idx = plan.owner.view(-1, 1, 1, 1)
     top = torch.full((d + 1, nkv, g, 1), float("-inf"), device=q.device)
     top.scatter_reduce_(0, idx.expand_as(m), m, "amax")
