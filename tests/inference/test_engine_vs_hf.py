@@ -6,6 +6,7 @@ import pytest
 
 from tests.inference.conftest import hf_greedy, mixed_prompts
 from zeal.inference import LLM, SamplingParams
+from zeal.inference.kernels import cpu_kernels
 
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -24,22 +25,33 @@ def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.fixture(params=["fused", "torch"])
+def kernels(request, monkeypatch):
+    """Run with the fused CPU kernels (the default where they build) and with the pure-torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr("zeal.inference.model_runner.cpu_kernels", lambda: None)
+    elif cpu_kernels() is None:
+        pytest.skip("fused CPU kernels unavailable here")
+    return request.param
+
+
 @pytest.mark.timeout(60)
-def test_mixed_batch_matches_hf(case):
+def test_mixed_batch_matches_hf(case, kernels):
     path, prompts, _, ref, _ = case
     llm = LLM(path, block_size=4, num_blocks=256, max_num_batched_tokens=512)
+    assert (llm.engine.runner.kernels is None) == (kernels == "torch")
     assert _tokens(llm.generate(prompts, GREEDY)) == ref
 
 
 @pytest.mark.timeout(60)
-def test_chunked_prompts_match_hf(case):
+def test_chunked_prompts_match_hf(case, kernels):
     path, prompts, _, ref, _ = case
     llm = LLM(path, block_size=4, num_blocks=256, max_num_batched_tokens=7)
     assert _tokens(llm.generate(prompts, GREEDY)) == ref
 
 
 @pytest.mark.timeout(60)
-def test_prefix_cache_hits_match_hf(case):
+def test_prefix_cache_hits_match_hf(case, kernels):
     path, _, shared, _, ref = case
     llm = LLM(path, block_size=4, num_blocks=256, max_num_batched_tokens=64)
     first = llm.generate(shared[:1], GREEDY)  # fills the cache with the shared prefix
@@ -49,7 +61,7 @@ def test_prefix_cache_hits_match_hf(case):
 
 
 @pytest.mark.timeout(60)
-def test_preemption_matches_hf(case):
+def test_preemption_matches_hf(case, kernels):
     path, prompts, _, ref, _ = case
     # 14 blocks of 4 tokens: the longest request (40 + 12 tokens) fits alone, the batch does not
     llm = LLM(path, block_size=4, num_blocks=14, max_num_batched_tokens=32, enable_prefix_caching=False)
@@ -60,7 +72,7 @@ def test_preemption_matches_hf(case):
 
 
 @pytest.mark.timeout(60)
-def test_n_greater_than_one_shares_blocks_copy_on_write(case):
+def test_n_greater_than_one_shares_blocks_copy_on_write(case, kernels):
     path, prompts, _, ref, _ = case
     llm = LLM(path, block_size=4, num_blocks=256)
     params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, n=3)

@@ -70,12 +70,45 @@ class DecodePlan:
 
 
 @dataclass
+class DecodeTables:
+    """The decode tokens of one pass for the fused CPU kernel, which reads every block
+    where it lies through the sequence's block table: ``rows`` of the flat batch (a
+    slice when they are consecutive, as the scheduler puts decodes first)."""
+
+    rows: slice | torch.Tensor
+    block_tables: torch.Tensor  # (D, max blocks) int32, padded with 0
+    ctx_lens: torch.Tensor  # (D,) int32: tokens in cache, the new one included
+
+    @property
+    def num_decodes(self) -> int:
+        return self.ctx_lens.numel()
+
+
+def decode_tables(rows: list[int], tables: list[list[int]], ctx_lens: list[int], block_size: int,
+                  device: torch.device | str = "cpu") -> DecodeTables:
+    """:class:`DecodeTables` for decode ``i`` at row ``rows[i]`` with ``ctx_lens[i]`` tokens
+    in the blocks ``tables[i]`` (only the blocks holding them are kept)."""
+    used = [t[: -(-n // block_size)] for t, n in zip(tables, ctx_lens)]
+    width = max(map(len, used))
+    padded = [t + [0] * (width - len(t)) for t in used]
+    r: slice | torch.Tensor
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        r = slice(rows[0], rows[0] + len(rows))
+    else:
+        r = torch.tensor(rows, dtype=torch.long, device=device)
+    return DecodeTables(r, torch.tensor(padded, dtype=torch.int32, device=device),
+                        torch.tensor(ctx_lens, dtype=torch.int32, device=device))
+
+
+@dataclass
 class AttentionMetadata:
-    """How the flat batch maps onto the paged cache for one pass."""
+    """How the flat batch maps onto the paged cache for one pass. ``kernels``: the fused
+    CPU ops (:func:`zeal.inference.kernels.cpu_kernels`) when decodes are DecodeTables."""
 
     slot_mapping: torch.Tensor  # (T,) flat slot index of each new token
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decodes: DecodePlan | None = None
+    decodes: DecodePlan | DecodeTables | None = None
+    kernels: object | None = None
 
 
 def plan_decodes(rows: list[int], tables: list[list[int]], ctx_lens: list[int], block_size: int,
@@ -232,10 +265,24 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Write this pass's K/V into the cache, then attend. q: (T, nh, hd); k, v: (T, nkv, hd)."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    ops = meta.kernels
+    if ops is not None:
+        ops.write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), meta.slot_mapping)
+    else:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     plan = meta.decodes
-    if plan is not None and plan.num_decodes:
+    if isinstance(plan, DecodeTables):
+        scale = q.shape[-1] ** -0.5
+        if isinstance(plan.rows, slice):  # the kernel writes its rows of out in place
+            ops.decode_attention(q[plan.rows].contiguous(), k_cache, v_cache, plan.block_tables,
+                                 plan.ctx_lens, scale, out[plan.rows])
+        else:
+            o = torch.empty(plan.num_decodes, *q.shape[1:], dtype=q.dtype, device=q.device)
+            ops.decode_attention(q.index_select(0, plan.rows), k_cache, v_cache, plan.block_tables,
+                                 plan.ctx_lens, scale, o)
+            out[plan.rows] = o
+    elif plan is not None and plan.num_decodes:
         out[plan.rows] = decode_attention(q.index_select(0, plan.rows), k_cache, v_cache, plan)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)

@@ -162,7 +162,7 @@ class LLMEngine:
             if c.sample:
                 to_sample.append(c.seq)
         results = sample(logits, [(s.prompt_ids, s.output_ids) for s in to_sample],
-                         [s.params for s in to_sample], [s.generator for s in to_sample])
+                         [s.params for s in to_sample], [s.generator for s in to_sample], self.runner.argmax)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
             req = self.requests[seq.request_id]

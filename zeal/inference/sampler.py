@@ -6,6 +6,7 @@ rows without penalties take a batched ``argmax`` fast path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,14 +86,17 @@ def sample(
     histories: list[tuple[list[int], list[int]]],
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[SampleResult]:
     """Draw one token per row of ``logits (S, V)`` (any float dtype; rows that need more
     than an argmax are taken in fp32). ``histories[i]`` is ``(prompt_ids, output_ids)``.
-    Logprobs are those of the model's distribution (before penalties and truncation)."""
+    Logprobs are those of the model's distribution (before penalties and truncation).
+    ``argmax``: the row-wise argmax for greedy rows (default ``Tensor.argmax(-1)``)."""
     results: list[SampleResult | None] = [None] * len(params)
     fast = [i for i, p in enumerate(params) if p.greedy and not p.needs_penalties]
     if fast:
-        toks = (logits if len(fast) == len(params) else logits[fast]).argmax(-1).tolist()
+        rows = logits if len(fast) == len(params) else logits[fast]
+        toks = (argmax(rows) if argmax is not None else rows.argmax(-1)).tolist()
         for i, t in zip(fast, toks):
             results[i] = SampleResult(t)
     for i, p in enumerate(params):

@@ -231,11 +231,16 @@ class Llama(nn.Module):
         positions: torch.Tensor,
         attn: AttnFn | None = None,
         logits_index: torch.Tensor | None = None,
+        kernels: object | None = None,
     ) -> torch.Tensor:
+        """``kernels``: fused CPU ops (``zeal.inference.kernels``) for RMSNorm with the
+        residual add, RoPE and SiLU-gating, used without autograd (serving)."""
         if attn is None:  # one sequence, no cache
             def attn(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return dense_causal_attention(q, k, v)
 
+        if kernels is not None and not torch.is_grad_enabled():
+            return self._fused_forward(input_ids, positions, attn, logits_index, kernels)
         x = self.model.embed_tokens(input_ids)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, hd)
@@ -252,3 +257,31 @@ class Llama(nn.Module):
         if logits_index is not None:
             x = x[logits_index]
         return self.lm_head(self.model.norm(x))
+
+    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
+                       logits_index: torch.Tensor | None, ops) -> torch.Tensor:
+        """The same layers with fused elementwise kernels: each RMSNorm also adds the
+        residual branch into ``x`` in place, RoPE rotates q and k in place (cos/sin in
+        fp32), SiLU-gating overwrites the gate."""
+        x = self.model.embed_tokens(input_ids)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
+        cos, sin = freqs.cos(), freqs.sin()
+        t, layers = input_ids.shape[0], self.model.layers
+        h = torch.empty_like(x)
+        norm = layers[0].input_layernorm
+        ops.rms_norm(x, None, norm.weight, norm.eps, h)
+        for i, layer in enumerate(layers):
+            a, mlp = layer.self_attn, layer.mlp
+            q, k = a.q_proj(h).view(t, a.nh, a.hd), a.k_proj(h).view(t, a.nkv, a.hd)
+            v = a.v_proj(h).view(t, a.nkv, a.hd)
+            ops.rope(q, k, cos, sin)
+            o = a.o_proj(attn(i, q, k, v).reshape(t, a.nh * a.hd))
+            norm = layer.post_attention_layernorm
+            ops.rms_norm(x, o, norm.weight, norm.eps, h)  # x += o; h = norm(x)
+            gate = mlp.gate_proj(h)
+            ops.silu_mul(gate, mlp.up_proj(h))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            ops.rms_norm(x, mlp.down_proj(gate), norm.weight, norm.eps, h)
+        if logits_index is not None:
+            h = h[logits_index]
+        return self.lm_head(h)

@@ -1,0 +1,71 @@
+"""Fused CPU kernels for serving, compiled from ``cpu_kernels.cpp`` on first use.
+
+The build (``torch.utils.cpp_extension``, ``-O3 -march=native``, about 40 s on two
+cores) runs once per machine, source and torch version; the library is kept under
+zeal's cache (``$ZEAL_CACHE/kernels``). Without a C++ compiler or ``ninja``, or with
+``ZEAL_CPU_KERNELS=0``, :func:`cpu_kernels` returns None and callers keep their
+pure-torch path, which computes the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build_name() -> str:
+    key = "\n".join([SOURCE.read_text(), torch.__version__, sys.version, _cpu_signature()])
+    return "zeal_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _load() -> object | None:
+    from torch.utils.cpp_extension import load
+
+    from zeal.data.tokenizer import cache_dir
+
+    name = _build_name()
+    build_dir = cache_dir() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
+        log.warning("zeal: compiling the fused CPU kernels once (%s)", build_dir)
+    load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
+         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"], extra_ldflags=["-fopenmp"], verbose=False)
+    return torch.ops.zeal_cpu
+
+
+def cpu_kernels() -> object | None:
+    """``torch.ops.zeal_cpu`` once built and loaded; None where they can't be (logged once)."""
+    with _lock:
+        if "ops" not in _state:
+            ops = None
+            if os.environ.get("ZEAL_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "AMD64", "aarch64"):
+                try:
+                    ops = _load()
+                except Exception as e:  # no compiler, no ninja, a read-only cache: stay pure torch
+                    log.warning("zeal: fused CPU kernels unavailable, using the pure-torch path (%s)",
+                                str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__)
+            _state["ops"] = ops
+        return _state["ops"]

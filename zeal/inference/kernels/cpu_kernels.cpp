@@ -1,0 +1,615 @@
+// Fused CPU kernels for zeal's serving engine, built on first use by
+// zeal/inference/kernels/__init__.py (torch.utils.cpp_extension, -O3 -march=native).
+//
+// Every kernel computes in fp32 whatever the storage dtype (fp32, bf16, fp16), and is
+// written as plain loops over contiguous rows that the compiler vectorises; threads
+// come from ATen's own pool (at::parallel_for), so they never compete with a second
+// OpenMP runtime. The pure-torch code in attention.py / llama.py is the reference
+// each kernel is tested against.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// ---------------------------------------------------------------- vectors
+// GCC/Clang vector extensions: 16 fp32 lanes, one AVX-512 register (two AVX2, four NEON).
+constexpr int64_t W = 16;
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(W * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(W * 2)));
+
+inline vf vload(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf vbroadcast(float x) { return vf{} + x; }
+inline int64_t round_up(int64_t n) { return (n + W - 1) / W * W; }
+
+inline float hsum(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int64_t i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// e^x on [-87, 88] (clamped outside): Cody-Waite reduction to r in [-ln2/2, ln2/2], a
+// degree-6 polynomial, scaled by 2^n through the exponent bits. Relative error ~1e-7;
+// e^-inf gives 2^-126 * p, below every softmax sum it joins. Branch-free.
+inline vf vexp(vf x) {
+  x = x < -87.0f ? vbroadcast(-87.0f) : x;
+  x = x > 88.0f ? vbroadcast(88.0f) : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * reinterpret_cast<const vf&>(bits);
+}
+
+// ---------------------------------------------------------------- rows
+// A row of n stored elements to fp32, zero-padded to np (a multiple of W).
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n, int64_t np) {
+  int64_t i = 0;
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (; i < np; ++i) dst[i] = 0.f;
+}
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n, int64_t np) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {  // bf16 -> fp32 is a 16-bit shift
+    vu16 u;
+    std::memcpy(&u, s + i, sizeof u);
+    const vu32 w = __builtin_convertvector(u, vu32) << 16;
+    std::memcpy(dst + i, &w, sizeof w);
+  }
+  for (; i < n; ++i) {
+    const uint32_t w = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &w, sizeof w);
+  }
+  for (; i < np; ++i) dst[i] = 0.f;
+}
+
+inline void to_float(const float* src, float* dst, int64_t n, int64_t np) {
+  std::memcpy(dst, src, n * sizeof(float));
+  for (int64_t i = n; i < np; ++i) dst[i] = 0.f;
+}
+
+// fp32 -> storage dtype, rounding to nearest even (as Tensor.to does)
+template <typename T>
+inline void from_float(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    vu32 b;
+    std::memcpy(&b, src + i, sizeof b);
+    vu32 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    r = (b & 0x7fffffffu) > 0x7f800000u ? vu32{} + 0x7fc0u : r;  // NaN stays a (quiet) NaN
+    const vu16 h = __builtin_convertvector(r, vu16);
+    std::memcpy(d + i, &h, sizeof h);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "zeal cpu kernel: ", what); }
+
+// ---------------------------------------------------------------- decode attention
+// One query token per sequence d over its cached context, read block by block through
+// its block table: for every (sequence, K/V head) the grouped query heads share each
+// K/V row (loaded once, converted once); softmax is online, rescaled once per block.
+// C vectors of one stored row (C * W >= n elements, zero-padded), converted to fp32 in registers
+template <int C>
+inline void load_vecs(const c10::BFloat16* src, int64_t n, float* buf, vf* out) {
+  if (n == C * W) {
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+    for (int c = 0; c < C; ++c) {
+      vu16 u;
+      std::memcpy(&u, s + c * W, sizeof u);
+      const vu32 w = __builtin_convertvector(u, vu32) << 16;
+      out[c] = reinterpret_cast<const vf&>(w);
+    }
+    return;
+  }
+  to_float(src, buf, n, C * W);
+  for (int c = 0; c < C; ++c) out[c] = vload(buf + c * W);
+}
+
+template <int C>
+inline void load_vecs(const float* src, int64_t n, float* buf, vf* out) {
+  if (n == C * W) {
+    for (int c = 0; c < C; ++c) out[c] = vload(src + c * W);
+    return;
+  }
+  to_float(src, buf, n, C * W);
+  for (int c = 0; c < C; ++c) out[c] = vload(buf + c * W);
+}
+
+template <int C>
+inline void load_vecs(const c10::Half* src, int64_t n, float* buf, vf* out) {
+  to_float(src, buf, n, C * W);
+  for (int c = 0; c < C; ++c) out[c] = vload(buf + c * W);
+}
+
+struct DecodeArgs {
+  int64_t NH, HD, NKV, BS, MB;
+  float scale;
+};
+
+// GS query heads (rows of K/V head h) of decode d: every K/V row is read and converted
+// once for all of them; queries and accumulators stay in registers (GS * C <= 16).
+template <typename T, int C, int GS>
+void decode_heads(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, const int32_t* table,
+                  int64_t n, int64_t d, int64_t h, int64_t g0, float* s, float* buf, T* op) {
+  constexpr int64_t HP = C * W;
+  const int64_t BP = round_up(a.BS);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vf q[GS][C], acc[GS][C];
+  float mx[GS], sum[GS];
+  for (int g = 0; g < GS; ++g) {
+    load_vecs<C>(qp + (d * a.NH + g0 + g) * a.HD, a.HD, buf, q[g]);
+    for (int c = 0; c < C; ++c) {
+      q[g][c] *= a.scale;
+      acc[g][c] = vf{};
+    }
+    mx[g] = neg_inf;
+    sum[g] = 0.f;
+  }
+  for (int64_t j = 0; j * a.BS < n; ++j) {
+    const int64_t blk = table[j], cnt = std::min(a.BS, n - j * a.BS), cp = round_up(cnt);
+    const T* kb = kp + (blk * a.NKV + h) * a.BS * a.HD;
+    const T* vb = vp + (blk * a.NKV + h) * a.BS * a.HD;
+    // the next block lies elsewhere in memory: ask for it while this one is computed
+    const bool more = (j + 1) * a.BS < n;
+    const int64_t next = more ? table[j + 1] : blk;
+    const char* kn = reinterpret_cast<const char*>(kp + (next * a.NKV + h) * a.BS * a.HD);
+    const char* vn = reinterpret_cast<const char*>(vp + (next * a.NKV + h) * a.BS * a.HD);
+    const int64_t row_bytes = a.HD * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = 0; t < cnt; ++t) {
+      if (more)
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+          __builtin_prefetch(kn + t * row_bytes + off);
+          __builtin_prefetch(vn + t * row_bytes + off);
+        }
+      vf k[C];
+      load_vecs<C>(kb + t * a.HD, a.HD, buf, k);
+      for (int g = 0; g < GS; ++g) {
+        vf x = q[g][0] * k[0];
+        for (int c = 1; c < C; ++c) x += q[g][c] * k[c];
+        s[g * BP + t] = hsum(x);
+      }
+    }
+    for (int g = 0; g < GS; ++g) {  // online softmax, rescaled once per block
+      float* sg = s + g * BP;
+      for (int64_t t = cnt; t < cp; ++t) sg[t] = neg_inf;
+      vf vm = vbroadcast(mx[g]);
+      for (int64_t c = 0; c < cp; c += W) {
+        const vf x = vload(sg + c);
+        vm = x > vm ? x : vm;
+      }
+      const float m = hmax(vm), corr = std::exp(mx[g] - m);  // 0 for the first block
+      vf l = {};
+      for (int64_t c = 0; c < cp; c += W) {
+        const vf e = vexp(vload(sg + c) - m);
+        vstore(sg + c, e);
+        l += e;
+      }
+      float ls = hsum(l);
+      for (int64_t t = cnt; t < cp; ++t) ls -= sg[t];  // the padded tail's (tiny) share
+      sum[g] = sum[g] * corr + ls;
+      mx[g] = m;
+      for (int c = 0; c < C; ++c) acc[g][c] *= corr;
+    }
+    for (int64_t t = 0; t < cnt; ++t) {
+      vf v[C];
+      load_vecs<C>(vb + t * a.HD, a.HD, buf, v);
+      for (int g = 0; g < GS; ++g) {
+        const float p = s[g * BP + t];
+        for (int c = 0; c < C; ++c) acc[g][c] += p * v[c];
+      }
+    }
+  }
+  for (int g = 0; g < GS; ++g) {
+    const float inv = 1.f / sum[g];
+    for (int c = 0; c < C; ++c) vstore(buf + c * W, acc[g][c] * inv);
+    from_float(buf, op + (d * a.NH + g0 + g) * a.HD, a.HD);
+  }
+  (void)HP;
+}
+
+template <typename T, int C>
+void decode_all(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, const int32_t* tp,
+                const int32_t* lp, int64_t D, T* op) {
+  constexpr int GMAX = C >= 16 ? 1 : 16 / C < 4 ? 16 / C : 4;
+  const int64_t G = a.NH / a.NKV;
+  at::parallel_for(0, D * a.NKV, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(GMAX * round_up(a.BS)), buf(C * W);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t d = item / a.NKV, h = item % a.NKV;
+      for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+        const int64_t gs = std::min<int64_t>(GMAX, G - g0);
+        auto run = [&](auto gs_const) {
+          decode_heads<T, C, decltype(gs_const)::value>(a, qp, kp, vp, tp + d * a.MB, lp[d], d, h,
+                                                          h * G + g0, s.data(), buf.data(), op);
+        };
+        switch (gs) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: if constexpr (GMAX >= 2) run(std::integral_constant<int, 2>{}); break;
+          case 3: if constexpr (GMAX >= 3) run(std::integral_constant<int, 3>{}); break;
+          default: if constexpr (GMAX >= 4) run(std::integral_constant<int, 4>{}); break;
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale,
+                           at::Tensor& out) {
+  const DecodeArgs a{q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), block_tables.size(1),
+                     static_cast<float>(scale)};
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int32_t* lp = ctx_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t D = q.size(0), chunks = round_up(a.HD) / W;
+  if (chunks <= 1) return decode_all<T, 1>(a, qp, kp, vp, tp, lp, D, op);
+  if (chunks <= 2) return decode_all<T, 2>(a, qp, kp, vp, tp, lp, D, op);
+  if (chunks <= 4) return decode_all<T, 4>(a, qp, kp, vp, tp, lp, D, op);
+  if (chunks <= 8) return decode_all<T, 8>(a, qp, kp, vp, tp, lp, D, op);
+  return decode_all<T, 16>(a, qp, kp, vp, tp, lp, D, op);
+}
+
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& ctx_lens, double scale, at::Tensor out) {
+  check(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "decode_attention shapes");
+  check(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
+        "decode_attention needs contiguous tensors");
+  check(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+            out.scalar_type() == q.scalar_type(),
+        "decode_attention: q, caches and out must share a dtype");
+  check(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0 && q.size(2) <= 16 * W,
+        "decode_attention head shapes (head_dim <= 256)");
+  check(block_tables.scalar_type() == at::kInt && ctx_lens.scalar_type() == at::kInt &&
+            block_tables.is_contiguous() && ctx_lens.is_contiguous(),
+        "decode_attention: block_tables and ctx_lens are contiguous int32");
+  check(block_tables.size(0) == q.size(0) && ctx_lens.size(0) == q.size(0) && out.sizes() == q.sizes(),
+        "decode_attention: one block table and length per query");
+  switch (q.scalar_type()) {
+    case at::kFloat: return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
+    case at::kBFloat16:
+      return decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
+    case at::kHalf: return decode_attention_impl<c10::Half>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
+    default: check(false, "decode_attention: dtype must be float32, bfloat16 or float16");
+  }
+}
+
+// ---------------------------------------------------------------- cache writes
+// k, v (T, n_kv, hd) into their slots of (blocks, n_kv, block_size, hd) caches.
+void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slots) {
+  check(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k.dim() == 3 && v.sizes() == k.sizes(),
+        "write_kv shapes");
+  check(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3) && slots.size(0) == k.size(0),
+        "write_kv: one slot per token, heads and head_dim of the cache");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && slots.scalar_type() == at::kLong &&
+            slots.is_contiguous() && k.scalar_type() == k_cache.scalar_type() &&
+            v.scalar_type() == k_cache.scalar_type(),
+        "write_kv: contiguous caches, int64 slots, k/v in the cache dtype");
+  check(k.stride(2) == 1 && v.stride(2) == 1, "write_kv: k/v rows must be contiguous");
+  const int64_t T = k.size(0), NKV = k.size(1), HD = k.size(2), BS = k_cache.size(2);
+  const int64_t nslots = k_cache.size(0) * BS, esz = k.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) check(sp[t] >= 0 && sp[t] < nslots, "write_kv: slot out of range");
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blk = sp[t] / BS, off = sp[t] % BS;
+    for (int64_t h = 0; h < NKV; ++h) {
+      const int64_t dst = ((blk * NKV + h) * BS + off) * HD * esz;
+      std::memcpy(kc + dst, kp + (t * k.stride(0) + h * k.stride(1)) * esz, HD * esz);
+      std::memcpy(vc + dst, vp + (t * v.stride(0) + h * v.stride(1)) * esz, HD * esz);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- elementwise
+// Rows are processed in fp32 and rounded once to the storage dtype. Work is split over
+// threads only when it is large enough to pay for waking them.
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
+
+template <typename T>
+void rms_norm_impl(T* x, const T* delta, const T* w, int64_t rows, int64_t H, float eps, T* out) {
+  const int64_t HP = round_up(H);
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(HP), b(HP), wf(HP);
+    to_float(w, wf.data(), H, HP);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * H;
+      to_float(xr, a.data(), H, HP);
+      if (delta != nullptr) {  // the residual add, rounded to the dtype as a separate add would be
+        to_float(delta + r * H, b.data(), H, HP);
+        for (int64_t c = 0; c < HP; c += W) vstore(a.data() + c, vload(a.data() + c) + vload(b.data() + c));
+        from_float(a.data(), xr, H);
+        to_float(xr, a.data(), H, HP);
+      }
+      vf ss = {};
+      for (int64_t c = 0; c < HP; c += W) ss += vload(a.data() + c) * vload(a.data() + c);
+      const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps);
+      for (int64_t c = 0; c < HP; c += W) vstore(a.data() + c, vload(a.data() + c) * inv * vload(wf.data() + c));
+      from_float(a.data(), out + r * H, H);
+    }
+  });
+}
+
+#define ZEAL_DISPATCH(dtype, NAME, ...)                                   \
+  switch (dtype) {                                                        \
+    case at::kFloat: { using scalar = float; __VA_ARGS__; break; }        \
+    case at::kBFloat16: { using scalar = c10::BFloat16; __VA_ARGS__; break; } \
+    case at::kHalf: { using scalar = c10::Half; __VA_ARGS__; break; }     \
+    default: check(false, NAME ": dtype must be float32, bfloat16 or float16"); \
+  }
+
+// out = x / rms(x) * weight over the last dimension; with delta, first x += delta (in place)
+void rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps,
+              at::Tensor out) {
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(1, H);
+  check(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() && weight.numel() == H &&
+            out.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
+            out.scalar_type() == x.scalar_type(),
+        "rms_norm: contiguous x, out and weight of one dtype");
+  if (delta.has_value())
+    check(delta->is_contiguous() && delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
+          "rms_norm: delta like x");
+  ZEAL_DISPATCH(x.scalar_type(), "rms_norm",
+                rms_norm_impl<scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
+                                      weight.data_ptr<scalar>(), rows, H, static_cast<float>(eps),
+                                      out.data_ptr<scalar>()));
+}
+
+// out = LayerNorm(x) * weight + bias over the last dimension; with delta, first x += delta
+template <typename T>
+void layer_norm_impl(T* x, const T* delta, const T* w, const T* b, int64_t rows, int64_t H, float eps, T* out) {
+  const int64_t HP = round_up(H);
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(HP), d(HP), wf(HP), bf(HP);
+    to_float(w, wf.data(), H, HP);
+    to_float(b, bf.data(), H, HP);
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * H;
+      to_float(xr, a.data(), H, HP);
+      if (delta != nullptr) {
+        to_float(delta + r * H, d.data(), H, HP);
+        for (int64_t c = 0; c < HP; c += W) vstore(a.data() + c, vload(a.data() + c) + vload(d.data() + c));
+        from_float(a.data(), xr, H);
+        to_float(xr, a.data(), H, HP);
+      }
+      vf sm = {};
+      for (int64_t c = 0; c < HP; c += W) sm += vload(a.data() + c);
+      const float mean = hsum(sm) / static_cast<float>(H);
+      vf ss = {};
+      for (int64_t c = 0; c < H; c += W) {  // padded lanes hold 0, not the mean: skip them
+        vf e = vload(a.data() + c) - mean;
+        if (c + W > H)
+          for (int64_t i = H - c; i < W; ++i) e[i] = 0.f;
+        ss += e * e;
+      }
+      const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps);
+      for (int64_t c = 0; c < HP; c += W)
+        vstore(a.data() + c, (vload(a.data() + c) - mean) * inv * vload(wf.data() + c) + vload(bf.data() + c));
+      from_float(a.data(), out + r * H, H);
+    }
+  });
+}
+
+void layer_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                const at::Tensor& bias, double eps, at::Tensor out) {
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(1, H);
+  check(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() && bias.is_contiguous() &&
+            weight.numel() == H && bias.numel() == H && out.sizes() == x.sizes() &&
+            weight.scalar_type() == x.scalar_type() && bias.scalar_type() == x.scalar_type() &&
+            out.scalar_type() == x.scalar_type(),
+        "layer_norm: contiguous x, out, weight and bias of one dtype");
+  if (delta.has_value())
+    check(delta->is_contiguous() && delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
+          "layer_norm: delta like x");
+  ZEAL_DISPATCH(x.scalar_type(), "layer_norm",
+                layer_norm_impl<scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
+                                        weight.data_ptr<scalar>(), bias.data_ptr<scalar>(), rows, H,
+                                        static_cast<float>(eps), out.data_ptr<scalar>()));
+}
+
+// x = gelu(x) with the tanh approximation (GPT-2's "gelu_new"), in place
+template <typename T>
+void gelu_tanh_impl(T* x, int64_t rows, int64_t I) {
+  const int64_t HP = round_up(I);
+  at::parallel_for(0, rows, row_grain(I), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(HP);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(x + r * I, a.data(), I, HP);
+      for (int64_t i = 0; i < HP; i += W) {
+        const vf v = vload(a.data() + i);
+        const vf u = (v + v * v * v * 0.044715f) * 0.7978845608028654f;
+        const vf th = 1.f - 2.f / (vexp(2.f * u) + 1.f);
+        vstore(a.data() + i, 0.5f * v * (1.f + th));
+      }
+      from_float(a.data(), x + r * I, I);
+    }
+  });
+}
+
+void gelu_tanh(at::Tensor x) {
+  check(x.is_contiguous(), "gelu_tanh: a contiguous tensor");
+  const int64_t I = x.size(-1), rows = x.numel() / std::max<int64_t>(1, I);
+  ZEAL_DISPATCH(x.scalar_type(), "gelu_tanh", gelu_tanh_impl<scalar>(x.data_ptr<scalar>(), rows, I));
+}
+
+// Rotary embedding in place, "rotate half" layout: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) per
+// head, with cos/sin (T, hd/2) in fp32. x: (T, heads, hd) with contiguous heads.
+template <typename T>
+void rope_impl(T* x, int64_t s0, int64_t T_, int64_t heads, int64_t hd, const float* cs, const float* sn) {
+  const int64_t half = hd / 2, HP = round_up(half);
+  at::parallel_for(0, T_, row_grain(heads * hd), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(HP), b(HP), c(HP), s(HP);
+    for (int64_t t = begin; t < end; ++t) {
+      to_float(cs + t * half, c.data(), half, HP);
+      to_float(sn + t * half, s.data(), half, HP);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* xr = x + t * s0 + h * hd;
+        to_float(xr, a.data(), half, HP);
+        to_float(xr + half, b.data(), half, HP);
+        for (int64_t i = 0; i < HP; i += W) {
+          const vf x1 = vload(a.data() + i), x2 = vload(b.data() + i);
+          const vf cv = vload(c.data() + i), sv = vload(s.data() + i);
+          vstore(a.data() + i, x1 * cv - x2 * sv);
+          vstore(b.data() + i, x2 * cv + x1 * sv);
+        }
+        from_float(a.data(), xr, half);
+        from_float(b.data(), xr + half, half);
+      }
+    }
+  });
+}
+
+void rope(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  check(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
+        "rope: q (T, heads, hd), k (T, kv heads, hd), hd even");
+  check(q.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(2) == 1 && k.stride(1) == k.size(2),
+        "rope: the heads of a token must be contiguous");
+  check(q.scalar_type() == k.scalar_type(), "rope: q and k share a dtype");
+  check(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+            sin.is_contiguous() && cos.numel() == q.size(0) * q.size(2) / 2 && sin.sizes() == cos.sizes(),
+        "rope: cos and sin are contiguous float32 (T, hd/2)");
+  ZEAL_DISPATCH(q.scalar_type(), "rope",
+                rope_impl<scalar>(q.data_ptr<scalar>(), q.stride(0), q.size(0), q.size(1), q.size(2),
+                                  cos.data_ptr<float>(), sin.data_ptr<float>());
+                rope_impl<scalar>(k.data_ptr<scalar>(), k.stride(0), k.size(0), k.size(1), k.size(2),
+                                  cos.data_ptr<float>(), sin.data_ptr<float>()));
+}
+
+// gate = silu(gate) * up, in place
+template <typename T>
+void silu_mul_impl(T* g, const T* u, int64_t rows, int64_t I) {
+  const int64_t HP = round_up(I);
+  at::parallel_for(0, rows, row_grain(I), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(HP), b(HP);
+    for (int64_t r = begin; r < end; ++r) {
+      to_float(g + r * I, a.data(), I, HP);
+      to_float(u + r * I, b.data(), I, HP);
+      for (int64_t i = 0; i < HP; i += W) {
+        const vf x = vload(a.data() + i);
+        vstore(a.data() + i, x / (1.f + vexp(-x)) * vload(b.data() + i));
+      }
+      from_float(a.data(), g + r * I, I);
+    }
+  });
+}
+
+void silu_mul(at::Tensor gate, const at::Tensor& up) {
+  check(gate.is_contiguous() && up.is_contiguous() && gate.sizes() == up.sizes() &&
+            gate.scalar_type() == up.scalar_type(),
+        "silu_mul: contiguous gate and up of one shape and dtype");
+  const int64_t I = gate.size(-1), rows = gate.numel() / std::max<int64_t>(1, I);
+  ZEAL_DISPATCH(gate.scalar_type(), "silu_mul", silu_mul_impl<scalar>(gate.data_ptr<scalar>(), up.data_ptr<scalar>(), rows, I));
+}
+
+// ---------------------------------------------------------------- greedy sampling
+// Index of the first maximum of every row (torch.argmax's tie rule); a row whose every
+// entry is NaN gives 0.
+template <typename T>
+void argmax_impl(const T* x, int64_t rows, int64_t V, int64_t* out) {
+  const int64_t chunk = 1024;
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(chunk);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * V;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = 0;
+      bool found = false;
+      for (int64_t c0 = 0; c0 < V; c0 += chunk) {
+        const int64_t n = std::min(chunk, V - c0), np = round_up(n);
+        to_float(xr + c0, buf.data(), n, np);
+        for (int64_t i = n; i < np; ++i) buf[i] = -std::numeric_limits<float>::infinity();
+        vf vm = vbroadcast(best);
+        for (int64_t i = 0; i < np; i += W) {
+          const vf v = vload(buf.data() + i);
+          vm = v > vm ? v : vm;
+        }
+        const float m = hmax(vm);
+        if (m > best || !found) {
+          for (int64_t i = 0; i < n; ++i)
+            if (buf[i] == m && (m > best || !found)) {
+              best = m;
+              arg = c0 + i;
+              found = true;
+              break;
+            }
+        }
+      }
+      out[r] = arg;
+    }
+  });
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check(x.dim() == 2 && x.is_contiguous(), "argmax_rows: a contiguous (rows, V) tensor");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  ZEAL_DISPATCH(x.scalar_type(), "argmax_rows",
+                argmax_impl<scalar>(x.data_ptr<scalar>(), x.size(0), x.size(1), out.data_ptr<int64_t>()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(zeal_cpu, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor ctx_lens, "
+        "float scale, Tensor(a!) out) -> ()",
+        &decode_attention);
+  m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps, Tensor(b!) out) -> ()", &rms_norm);
+  m.def("layer_norm(Tensor(a!) x, Tensor? delta, Tensor weight, Tensor bias, float eps, Tensor(b!) out) -> ()",
+        &layer_norm);
+  m.def("gelu_tanh(Tensor(a!) x) -> ()", &gelu_tanh);
+  m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rope);
+  m.def("silu_mul(Tensor(a!) gate, Tensor up) -> ()", &silu_mul);
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+  m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()", &write_kv);
+}
