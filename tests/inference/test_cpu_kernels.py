@@ -75,6 +75,29 @@ def test_decode_attention_equals_dense(dtype, nh, nkv, hd, bs):
 
 @needs_ops
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nh,nkv,hd", [(4, 2, 8), (9, 3, 64), (12, 12, 64), (4, 1, 80), (8, 2, 128), (2, 2, 256)])
+@pytest.mark.parametrize("length,ctx,bs", [(1, 9, 4), (7, 19, 4), (70, 70, 64), (33, 100, 16), (20, 300, 64),
+                                           (150, 150, 16)])
+def test_chunk_attention_equals_dense(dtype, nh, nkv, hd, length, ctx, bs):
+    """A prompt chunk (the last ``length`` of ``ctx`` positions) over scattered blocks:
+    causal edges inside key tiles, query tiles shorter than a full one, GQA groups."""
+    q, kc, vc, tables = _decode_case(nh, nkv, hd, bs, [ctx], dtype, seed=length + hd)
+    q = torch.randn(length, nh, hd, generator=torch.Generator().manual_seed(1)).to(dtype)
+    table = tables[0]
+    k = kc[table].transpose(0, 1).reshape(nkv, -1, hd)[:, :ctx].float()
+    v = vc[table].transpose(0, 1).reshape(nkv, -1, hd)[:, :ctx].float()
+    qg = q.float().transpose(0, 1).reshape(nkv, nh // nkv, length, hd)
+    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - length, ctx)[:, None]
+    p = torch.softmax((qg @ k[:, None].transpose(-1, -2)) * hd**-0.5 + torch.where(visible, 0.0, float("-inf")), -1)
+    ref = (p @ v[:, None]).reshape(nh, length, hd).transpose(0, 1)
+    out = torch.empty_like(q)
+    ops.chunk_attention(q, kc, vc, torch.tensor(table, dtype=torch.int32), ctx, hd**-0.5, out)
+    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_ops
+@pytest.mark.timeout(60)
 def test_paged_attention_with_kernels_equals_dense_shared_blocks_and_rows():
     """Decodes that share prefix blocks (prefix caching, n > 1), in rows that are not
     consecutive (a one-token prompt chunk between them), through paged_attention."""
@@ -189,6 +212,10 @@ def test_kernels_reject_bad_input():
         ops.decode_attention(q, kc.float(), kc.float(), bt.long(), lens, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.silu_mul(torch.randn(4, 6).t(), torch.randn(6, 4))
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.chunk_attention(q, kc.float(), kc.float(), torch.tensor([7], dtype=torch.int32), 2, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="covering ctx_len"):
+        ops.chunk_attention(q, kc.float(), kc.float(), torch.tensor([0], dtype=torch.int32), 9, 1.0, torch.empty_like(q))
 
 
 @needs_ops

@@ -286,6 +286,9 @@ def paged_attention(
         out[plan.rows] = decode_attention(q.index_select(0, plan.rows), k_cache, v_cache, plan)
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
+        if ops is not None:  # reads the chunk's context (itself included) from the cache
+            ops.chunk_attention(q[rows], k_cache, v_cache, c.block_table, c.ctx_len, q.shape[-1] ** -0.5, out[rows])
+            continue
         if c.ctx_len == c.q_len:  # nothing cached before this chunk: use the fresh K/V
             kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:

@@ -121,7 +121,8 @@ class ModelRunner:
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
             else:
-                prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(table, device=self.device)))
+                prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(
+                    table, device=self.device, dtype=torch.int32 if self.kernels is not None else torch.long)))
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills, kernels=self.kernels)
         if dec_rows and self.kernels is not None:

@@ -22,6 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // ---------------------------------------------------------------- vectors
@@ -127,6 +131,26 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "zeal cpu kernel: ", what); }
+
+// f(i) for i in [0, n), dealt out round-robin over the threads: items whose cost grows
+// with i (causal tiles) or varies (context lengths) still split evenly
+template <typename F>
+void parallel_strided(int64_t n, const F& f) {
+  const int64_t lanes = std::max<int64_t>(1, std::min<int64_t>(n, at::get_num_threads()));
+  at::parallel_for(0, lanes, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t lane = begin; lane < end; ++lane)
+      for (int64_t i = lane; i < n; i += lanes) f(i);
+  });
+}
+
+// run the statement with `scalar` bound to the C++ type of a floating dtype
+#define ZEAL_DISPATCH(dtype, NAME, ...)                                   \
+  switch (dtype) {                                                        \
+    case at::kFloat: { using scalar = float; __VA_ARGS__; break; }        \
+    case at::kBFloat16: { using scalar = c10::BFloat16; __VA_ARGS__; break; } \
+    case at::kHalf: { using scalar = c10::Half; __VA_ARGS__; break; }     \
+    default: check(false, NAME ": dtype must be float32, bfloat16 or float16"); \
+  }
 
 // ---------------------------------------------------------------- decode attention
 // One query token per sequence d over its cached context, read block by block through
@@ -256,9 +280,10 @@ void decode_all(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, cons
                 const int32_t* lp, int64_t D, T* op) {
   constexpr int GMAX = C >= 16 ? 1 : 16 / C < 4 ? 16 / C : 4;
   const int64_t G = a.NH / a.NKV;
-  at::parallel_for(0, D * a.NKV, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(GMAX * round_up(a.BS)), buf(C * W);
-    for (int64_t item = begin; item < end; ++item) {
+  parallel_strided(D * a.NKV, [&](int64_t item) {
+    thread_local std::vector<float> s, buf;
+    s.resize(GMAX * round_up(a.BS)), buf.resize(C * W);
+    {
       const int64_t d = item / a.NKV, h = item % a.NKV;
       for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
         const int64_t gs = std::min<int64_t>(GMAX, G - g0);
@@ -321,6 +346,351 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   }
 }
 
+// ---------------------------------------------------------------- prompt-chunk attention
+// The last L of a sequence's C cached positions attend causally over its blocks (query i
+// sits at position C - L + i). Per K/V head, the keys and values are first laid out in
+// fp32 tiles of KT positions, keys transposed (head_dim x KT), so that every query row
+// computes KT scores with plain FMAs; then tiles of R queries (times the G query heads of
+// the K/V head: M = R * G rows) run an online softmax over the key tiles they can see.
+constexpr int64_t KT = 64, KTV = KT / W, QR = 16;
+
+struct ChunkArgs {
+  int64_t L, C, NH, HD, NKV, BS, qs0, os0;
+  float scale;
+};
+
+// scores S[m][0, KT) of RB rows against one transposed key tile
+template <int RB>
+inline void tile_scores(const float* qf, int64_t HP, int64_t HD, const float* kt, float* S) {
+  vf acc[RB][KTV];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KTV; ++c) acc[r][c] = vf{};
+  for (int64_t d = 0; d < HD; ++d) {
+    vf kv[KTV];
+    for (int c = 0; c < KTV; ++c) kv[c] = vload(kt + d * KT + c * W);
+    for (int r = 0; r < RB; ++r) {
+      const vf b = vbroadcast(qf[r * HP + d]);
+      for (int c = 0; c < KTV; ++c) acc[r][c] += b * kv[c];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KTV; ++c) vstore(S + r * KT + c * W, acc[r][c]);
+}
+
+// o[m] = o[m] * corr[m] + sum_t P[m][t] V[t] for RB rows over the first n keys of a value tile
+template <int C, int RB>
+inline void tile_values(const float* P, const float* corr, const float* vt, int64_t n, float* o) {
+  vf acc[RB][C];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = vload(o + r * C * W + c * W) * corr[r];
+  for (int64_t t = 0; t < n; ++t) {
+    vf v[C];
+    for (int c = 0; c < C; ++c) v[c] = vload(vt + t * C * W + c * W);
+    for (int r = 0; r < RB; ++r) {
+      const vf p = vbroadcast(P[r * KT + t]);
+      for (int c = 0; c < C; ++c) acc[r][c] += p * v[c];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) vstore(o + r * C * W + c * W, acc[r][c]);
+}
+
+template <typename T, int C>
+void chunk_attention_impl(const ChunkArgs& a, const T* qp, const T* kp, const T* vp, const int32_t* table, T* op) {
+  constexpr int64_t HP = C * W;
+  constexpr int RBV = C <= 4 ? 4 : (C == 8 ? 2 : 1);  // rows per value pass: RBV * C accumulators
+  const int64_t G = a.NH / a.NKV, M = QR * G, ntiles = (a.C + KT - 1) / KT, nq = (a.L + QR - 1) / QR;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  std::vector<float> kt(ntiles * HP * KT), vt(ntiles * KT * HP);
+  for (int64_t h = 0; h < a.NKV; ++h) {
+    at::parallel_for(0, ntiles, 1, [&](int64_t begin, int64_t end) {  // fp32 tiles of this head
+      std::vector<float> row(HP);
+      for (int64_t j = begin; j < end; ++j) {
+        float* ktj = kt.data() + j * HP * KT;
+        float* vtj = vt.data() + j * KT * HP;
+        std::fill(ktj, ktj + HP * KT, 0.f);
+        std::fill(vtj, vtj + KT * HP, 0.f);
+        for (int64_t t = 0; t < KT && j * KT + t < a.C; ++t) {
+          const int64_t pos = j * KT + t;
+          const int64_t off = ((static_cast<int64_t>(table[pos / a.BS]) * a.NKV + h) * a.BS + pos % a.BS) * a.HD;
+          to_float(kp + off, row.data(), a.HD, HP);
+          for (int64_t d = 0; d < a.HD; ++d) ktj[d * KT + t] = row[d];
+          to_float(vp + off, vtj + t * HP, a.HD, HP);
+        }
+      }
+    });
+    parallel_strided(nq, [&](int64_t qi) {
+      thread_local std::vector<float> qf, o, S, mx, sum, corr;
+      qf.resize(M * HP), o.resize(M * HP), S.resize(M * KT), mx.resize(M), sum.resize(M), corr.resize(M);
+      {
+        const int64_t i0 = qi * QR, rows = std::min(QR, a.L - i0) * G;  // row m: query i0 + m / G, head m % G
+        for (int64_t m = 0; m < rows; ++m) {
+          float* qm = qf.data() + m * HP;
+          to_float(qp + (i0 + m / G) * a.qs0 + (h * G + m % G) * a.HD, qm, a.HD, HP);
+          for (int64_t c = 0; c < HP; c += W) vstore(qm + c, vload(qm + c) * a.scale);
+        }
+        std::fill(o.begin(), o.end(), 0.f);
+        std::fill(mx.begin(), mx.end(), neg_inf);
+        std::fill(sum.begin(), sum.end(), 0.f);
+        const int64_t first = a.C - a.L + i0, last = first + rows / G - 1;  // positions of the tile's queries
+        for (int64_t j = 0; j * KT <= last; ++j) {
+          const int64_t k0 = j * KT;
+          const float* ktj = kt.data() + j * HP * KT;
+          int64_t m = 0;
+          for (; m + 4 <= rows; m += 4) tile_scores<4>(qf.data() + m * HP, HP, a.HD, ktj, S.data() + m * KT);
+          for (; m < rows; ++m) tile_scores<1>(qf.data() + m * HP, HP, a.HD, ktj, S.data() + m * KT);
+          int64_t nkeys = 0;  // keys of this tile that some row sees
+          for (m = 0; m < rows; ++m) {
+            float* sm = S.data() + m * KT;
+            const int64_t see = std::min(KT, first + m / G - k0 + 1);  // keys k0 .. pos visible
+            nkeys = std::max(nkeys, see);
+            if (see <= 0) {  // the whole tile lies ahead of this query
+              std::fill(sm, sm + KT, 0.f);
+              corr[m] = 1.f;
+              continue;
+            }
+            for (int64_t t = see; t < KT; ++t) sm[t] = neg_inf;
+            vf vm = vbroadcast(mx[m]);
+            for (int64_t c = 0; c < KT; c += W) {
+              const vf x = vload(sm + c);
+              vm = x > vm ? x : vm;
+            }
+            const float mnew = hmax(vm);
+            corr[m] = std::exp(mx[m] - mnew);  // 0 for the first tile
+            vf l = {};
+            for (int64_t c = 0; c < KT; c += W) {
+              const vf e = vexp(vload(sm + c) - mnew);
+              vstore(sm + c, e);
+              l += e;
+            }
+            float ls = hsum(l);
+            for (int64_t t = see; t < KT; ++t) {  // exactly 0 past the causal edge
+              ls -= sm[t];
+              sm[t] = 0.f;
+            }
+            sum[m] = sum[m] * corr[m] + ls;
+            mx[m] = mnew;
+          }
+          const float* vtj = vt.data() + j * KT * HP;
+          for (m = 0; m + RBV <= rows; m += RBV)
+            tile_values<C, RBV>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
+          for (; m < rows; ++m) tile_values<C, 1>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+          float* om = o.data() + m * HP;
+          const float inv = 1.f / sum[m];
+          for (int64_t c = 0; c < HP; c += W) vstore(om + c, vload(om + c) * inv);
+          from_float(om, op + (i0 + m / G) * a.os0 + (h * G + m % G) * a.HD, a.HD);
+        }
+      }
+    });
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 with AVX512-BF16 dot products (vdpbf16ps: 16 fp32 lanes, each += a pair of bf16
+// products), twice the fp32 FMA rate. Keys are laid out as (dimension pair, key) words and
+// values as (key pair, dimension) words; probabilities are rounded to bf16 (as eager bf16
+// attention does) and the softmax sum adds the rounded values, so the output stays an
+// exact weighted mean of the values.
+template <int RB>
+inline void tile_scores_bf16(const uint32_t* q, int64_t qstride, int64_t npairs, const uint32_t* kp, float scale,
+                             float* S) {
+  __m512 acc[RB][KTV];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KTV; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < npairs; ++p) {
+    __m512bh kv[KTV];
+    for (int c = 0; c < KTV; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + p * KT + c * W);
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * qstride + p]));
+      for (int c = 0; c < KTV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, kv[c]);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < KTV; ++c) _mm512_storeu_ps(S + r * KT + c * W, _mm512_mul_ps(acc[r][c], sc));
+}
+
+template <int C, int RB>
+inline void tile_values_bf16(const uint16_t* P, const float* corr, const uint32_t* vp, int64_t npairs, float* o) {
+  constexpr int64_t HP = C * W;
+  __m512 acc[RB][C];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * HP + c * W), _mm512_set1_ps(corr[r]));
+  for (int64_t t2 = 0; t2 < npairs; ++t2) {
+    __m512bh v[C];
+    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + t2 * HP + c * W);
+    for (int r = 0; r < RB; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, P + r * KT + 2 * t2, sizeof pair);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, v[c]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * HP + c * W, acc[r][c]);
+}
+
+template <int C>
+void chunk_attention_bf16(const ChunkArgs& a, const c10::BFloat16* qp, const c10::BFloat16* kp,
+                          const c10::BFloat16* vp, const int32_t* table, c10::BFloat16* op) {
+  constexpr int64_t HP = C * W;
+  constexpr int RBV = C <= 4 ? 4 : (C == 8 ? 2 : 1);
+  const int64_t G = a.NH / a.NKV, M = QR * G, ntiles = (a.C + KT - 1) / KT, nq = (a.L + QR - 1) / QR;
+  const int64_t NP = a.HD / 2;  // dimension pairs
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kp);
+  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vp);
+  const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qp);
+  std::vector<uint32_t> kt(ntiles * NP * KT), vt(ntiles * (KT / 2) * HP);
+  for (int64_t h = 0; h < a.NKV; ++h) {
+    at::parallel_for(0, ntiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        uint32_t* ktj = kt.data() + j * NP * KT;
+        uint32_t* vtj = vt.data() + j * (KT / 2) * HP;
+        std::fill(ktj, ktj + NP * KT, 0u);
+        std::fill(vtj, vtj + (KT / 2) * HP, 0u);
+        for (int64_t t = 0; t < KT && j * KT + t < a.C; ++t) {
+          const int64_t pos = j * KT + t;
+          const int64_t off = ((static_cast<int64_t>(table[pos / a.BS]) * a.NKV + h) * a.BS + pos % a.BS) * a.HD;
+          for (int64_t p = 0; p < NP; ++p) {
+            uint32_t w;
+            std::memcpy(&w, k16 + off + 2 * p, sizeof w);
+            ktj[p * KT + t] = w;
+          }
+          uint32_t* vrow = vtj + (t / 2) * HP;
+          const int shift = (t & 1) * 16;
+          for (int64_t d = 0; d < a.HD; ++d) vrow[d] |= static_cast<uint32_t>(v16[off + d]) << shift;
+        }
+      }
+    });
+    parallel_strided(nq, [&](int64_t qi) {
+      thread_local std::vector<uint32_t> qw;
+      thread_local std::vector<uint16_t> P;
+      thread_local std::vector<float> o, S, mx, sum, corr;
+      qw.resize(M * NP), P.resize(M * KT), o.resize(M * HP), S.resize(M * KT), mx.resize(M), sum.resize(M),
+          corr.resize(M);
+      const int64_t i0 = qi * QR, rows = std::min(QR, a.L - i0) * G;
+      for (int64_t m = 0; m < rows; ++m)
+        std::memcpy(qw.data() + m * NP, q16 + (i0 + m / G) * a.qs0 + (h * G + m % G) * a.HD, NP * sizeof(uint32_t));
+      std::fill(o.begin(), o.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t first = a.C - a.L + i0, last = first + rows / G - 1;
+      for (int64_t j = 0; j * KT <= last; ++j) {
+        const int64_t k0 = j * KT;
+        const uint32_t* ktj = kt.data() + j * NP * KT;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4)
+          tile_scores_bf16<4>(qw.data() + m * NP, NP, NP, ktj, a.scale, S.data() + m * KT);
+        for (; m < rows; ++m) tile_scores_bf16<1>(qw.data() + m * NP, NP, NP, ktj, a.scale, S.data() + m * KT);
+        int64_t nkeys = 0;
+        for (m = 0; m < rows; ++m) {
+          float* sm = S.data() + m * KT;
+          uint16_t* pm = P.data() + m * KT;
+          const int64_t see = std::min(KT, first + m / G - k0 + 1);
+          nkeys = std::max(nkeys, see);
+          if (see <= 0) {
+            std::fill(pm, pm + KT, uint16_t{0});
+            corr[m] = 1.f;
+            continue;
+          }
+          for (int64_t t = see; t < KT; ++t) sm[t] = neg_inf;
+          vf vm = vbroadcast(mx[m]);
+          for (int64_t c = 0; c < KT; c += W) {
+            const vf x = vload(sm + c);
+            vm = x > vm ? x : vm;
+          }
+          const float mnew = hmax(vm);
+          corr[m] = std::exp(mx[m] - mnew);
+          vf l = {};
+          for (int64_t c = 0; c < KT; c += W) {
+            const vf e = vexp(vload(sm + c) - mnew);
+            const vu32 b = reinterpret_cast<const vu32&>(e);
+            const vu32 r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;  // round to bf16
+            l += reinterpret_cast<const vf&>(r);
+            const vu16 hi = __builtin_convertvector(r >> 16, vu16);
+            std::memcpy(pm + c, &hi, sizeof hi);
+          }
+          float ls = hsum(l);
+          for (int64_t t = see; t < KT; ++t) {  // exactly 0 past the causal edge
+            float e;
+            const uint32_t bits = static_cast<uint32_t>(pm[t]) << 16;
+            std::memcpy(&e, &bits, sizeof e);
+            ls -= e;
+            pm[t] = 0;
+          }
+          sum[m] = sum[m] * corr[m] + ls;
+          mx[m] = mnew;
+        }
+        const uint32_t* vtj = vt.data() + j * (KT / 2) * HP;
+        const int64_t npairs = (nkeys + 1) / 2;
+        for (m = 0; m + RBV <= rows; m += RBV)
+          tile_values_bf16<C, RBV>(P.data() + m * KT, corr.data() + m, vtj, npairs, o.data() + m * HP);
+        for (; m < rows; ++m)
+          tile_values_bf16<C, 1>(P.data() + m * KT, corr.data() + m, vtj, npairs, o.data() + m * HP);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float* om = o.data() + m * HP;
+        const float inv = 1.f / sum[m];
+        for (int64_t c = 0; c < HP; c += W) vstore(om + c, vload(om + c) * inv);
+        from_float(om, op + (i0 + m / G) * a.os0 + (h * G + m % G) * a.HD, a.HD);
+      }
+    });
+  }
+}
+#endif
+
+template <typename T>
+void chunk_attention_any(const ChunkArgs& a, const T* qp, const T* kp, const T* vp, const int32_t* tp, T* op) {
+  const int64_t chunks = round_up(a.HD) / W;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (a.HD % 2 == 0) {
+      if (chunks <= 1) return chunk_attention_bf16<1>(a, qp, kp, vp, tp, op);
+      if (chunks <= 2) return chunk_attention_bf16<2>(a, qp, kp, vp, tp, op);
+      if (chunks <= 4) return chunk_attention_bf16<4>(a, qp, kp, vp, tp, op);
+      if (chunks <= 8) return chunk_attention_bf16<8>(a, qp, kp, vp, tp, op);
+      return chunk_attention_bf16<16>(a, qp, kp, vp, tp, op);
+    }
+  }
+#endif
+  if (chunks <= 1) return chunk_attention_impl<T, 1>(a, qp, kp, vp, tp, op);
+  if (chunks <= 2) return chunk_attention_impl<T, 2>(a, qp, kp, vp, tp, op);
+  if (chunks <= 4) return chunk_attention_impl<T, 4>(a, qp, kp, vp, tp, op);
+  if (chunks <= 8) return chunk_attention_impl<T, 8>(a, qp, kp, vp, tp, op);
+  return chunk_attention_impl<T, 16>(a, qp, kp, vp, tp, op);
+}
+
+// Causal attention of a prompt chunk q (L, nh, hd), the last L of ctx_len cached positions,
+// over the sequence's blocks; writes out (L, nh, hd).
+void chunk_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_table, int64_t ctx_len, double scale, at::Tensor out) {
+  check(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && out.sizes() == q.sizes(),
+        "chunk_attention shapes");
+  check(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
+        "chunk_attention: the heads of a token must be contiguous");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous(), "chunk_attention: contiguous caches");
+  check(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+            out.scalar_type() == q.scalar_type(),
+        "chunk_attention: q, caches and out must share a dtype");
+  check(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0 && q.size(2) <= 16 * W,
+        "chunk_attention head shapes (head_dim <= 256)");
+  const int64_t BS = k_cache.size(2);
+  check(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && q.size(0) <= ctx_len &&
+            block_table.numel() * BS >= ctx_len,
+        "chunk_attention: an int32 block table covering ctx_len >= the chunk's length");
+  const int32_t* tp = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < (ctx_len + BS - 1) / BS; ++b)
+    check(tp[b] >= 0 && tp[b] < k_cache.size(0), "chunk_attention: block id out of range");
+  const ChunkArgs a{q.size(0), ctx_len, q.size(1), q.size(2), k_cache.size(1), BS, q.stride(0), out.stride(0),
+                    static_cast<float>(scale)};
+  ZEAL_DISPATCH(q.scalar_type(), "chunk_attention",
+                chunk_attention_any<scalar>(a, q.data_ptr<scalar>(), k_cache.data_ptr<scalar>(),
+                                            v_cache.data_ptr<scalar>(), tp, out.data_ptr<scalar>()));
+}
+
 // ---------------------------------------------------------------- cache writes
 // k, v (T, n_kv, hd) into their slots of (blocks, n_kv, block_size, hd) caches.
 void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -380,14 +750,6 @@ void rms_norm_impl(T* x, const T* delta, const T* w, int64_t rows, int64_t H, fl
     }
   });
 }
-
-#define ZEAL_DISPATCH(dtype, NAME, ...)                                   \
-  switch (dtype) {                                                        \
-    case at::kFloat: { using scalar = float; __VA_ARGS__; break; }        \
-    case at::kBFloat16: { using scalar = c10::BFloat16; __VA_ARGS__; break; } \
-    case at::kHalf: { using scalar = c10::Half; __VA_ARGS__; break; }     \
-    default: check(false, NAME ": dtype must be float32, bfloat16 or float16"); \
-  }
 
 // out = x / rms(x) * weight over the last dimension; with delta, first x += delta (in place)
 void rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps,
@@ -611,5 +973,8 @@ TORCH_LIBRARY(zeal_cpu, m) {
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()", &rope);
   m.def("silu_mul(Tensor(a!) gate, Tensor up) -> ()", &silu_mul);
   m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+  m.def("chunk_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int ctx_len, float scale, "
+        "Tensor(a!) out) -> ()",
+        &chunk_attention);
   m.def("write_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor slots) -> ()", &write_kv);
 }
