@@ -193,7 +193,7 @@ def main() -> int:
     ap.add_argument("--prompt-max", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budget", type=int, default=512, help="SplitFuse token budget per pass")
-    ap.add_argument("--kv-mb", type=int, default=1024)
+    ap.add_argument("--kv-mb", type=int, default=2048, help="zeal's KV cache (2 GB holds the 64 requests in fp32 too)")
     ap.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     ap.add_argument("--poisson-load", type=float, default=0.7,
                     help="Poisson arrival rate as a fraction of the all-at-once request throughput")

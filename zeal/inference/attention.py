@@ -1,4 +1,4 @@
-"""Paged attention in pure torch: K/V live in blocks, addressed through block tables.
+"""Paged attention: K/V live in blocks, addressed through block tables.
 
 Cache layout per layer: ``k_cache, v_cache`` of shape
 ``(num_blocks, n_kv_heads, block_size, head_dim)``. Token ``p`` of a sequence
@@ -19,6 +19,13 @@ rows of their K/V head, so K/V are never repeated per head.
 
 Each prompt chunk attends on its own (causal, offset by the tokens already in
 cache), see :func:`chunk_attention`.
+
+On CPU, when the fused kernels of :mod:`zeal.inference.kernels` are built, the
+model runner hands :func:`paged_attention` :class:`DecodeTables` instead of a
+plan and the same work runs in C++: decodes read every block through their block
+table, prompt chunks attend over their blocks with an online softmax, and the
+new K/V are written by a kernel too. The pure-torch code here is the reference
+those kernels are tested against, and the path everywhere else.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.num_block_copies = 0
         shape = (num_blocks, self.model.num_kv_heads, block_size, self.model.head_dim)
-        # fused CPU kernels: decode attention reads blocks through the block tables
+        # fused CPU kernels (attention over the block tables, norms, RoPE, activations, argmax)
         self.kernels = cpu_kernels() if self.device.type == "cpu" and self.kv_dtype == self.dtype else None
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]

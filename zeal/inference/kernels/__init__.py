@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+STALE_LOCK_S = 600.0  # a build takes well under a minute; an older lock was abandoned
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -49,6 +51,12 @@ def _load() -> object | None:
     name = _build_name()
     build_dir = cache_dir() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"  # torch waits while it exists: one left by a killed build would hang us
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
     if not (build_dir / f"{name}.so").exists():
         log.warning("zeal: compiling the fused CPU kernels once (%s)", build_dir)
     load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,

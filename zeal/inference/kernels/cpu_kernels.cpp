@@ -60,19 +60,20 @@ inline float hmax(vf v) {
   return m;
 }
 
-// e^x on [-87, 88] (clamped outside): Cody-Waite reduction to r in [-ln2/2, ln2/2], a
-// degree-6 polynomial, scaled by 2^n through the exponent bits. Relative error ~1e-7;
-// e^-inf gives 2^-126 * p, below every softmax sum it joins. Branch-free.
+// e^x on [-87, 88] (clamped outside): x = n ln2 + r with ln2 split in two (the first part
+// exact in fp32) and r in [-ln2/2, ln2/2]; e^r by its Taylor series to r^7 (remainder
+// < r^8/8! < 6e-9), times 2^n built in the exponent bits. e^-inf gives 2^-126 * e^r,
+// below every softmax sum it joins. Branch-free, so it vectorises.
 inline vf vexp(vf x) {
   x = x < -87.0f ? vbroadcast(-87.0f) : x;
   x = x > 88.0f ? vbroadcast(88.0f) : x;
-  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23)
+  const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;               // ln2 = 0.693359375 - 2.12194440e-4
+  vf p = r * (1.0f / 5040.0f) + (1.0f / 720.0f);
+  p = p * r + (1.0f / 120.0f);
+  p = p * r + (1.0f / 24.0f);
+  p = p * r + (1.0f / 6.0f);
+  p = p * r + 0.5f;
   p = p * r * r + r + 1.0f;
   const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   return p * reinterpret_cast<const vf&>(bits);
