@@ -210,6 +210,10 @@ def test_kernels_reject_bad_input():
         ops.decode_attention(q, kc, kc, bt, lens, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="int32"):
         ops.decode_attention(q, kc.float(), kc.float(), bt.long(), lens, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="context length"):
+        ops.decode_attention(q, kc.float(), kc.float(), bt, lens * 5, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.decode_attention(q, kc.float(), kc.float(), bt + 3, lens, 1.0, torch.empty_like(q))
     with pytest.raises(RuntimeError, match="contiguous"):
         ops.silu_mul(torch.randn(4, 6).t(), torch.randn(6, 4))
     with pytest.raises(RuntimeError, match="block id out of range"):

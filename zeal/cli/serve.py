@@ -7,7 +7,35 @@ import logging
 import sys
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16"}
+          "float16": "float16", "fp16": "float16", "auto": "auto"}
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm BF16)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """``auto``: bfloat16 where the hardware computes it natively (a CUDA GPU with bf16, a
+    CPU with bf16 dot products), float32 elsewhere; any other name as given."""
+    name = DTYPES[name]
+    if name != "auto":
+        return name
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if device == "cpu" and cpu_has_native_bf16() else "float32"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
     p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
+                   help="weights and compute; auto (default): bfloat16 where the CPU/GPU computes it natively, "
+                        "else float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV-cache block (default: 64 on CPU, 16 on accelerators)")
@@ -55,7 +85,7 @@ def build(args: argparse.Namespace):
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
-    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, DTYPES[args.dtype]), args.device)
+    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, resolve_dtype(args.dtype, args.device)), args.device)
     cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mb << 20,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)

@@ -338,6 +338,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         "decode_attention: block_tables and ctx_lens are contiguous int32");
   check(block_tables.size(0) == q.size(0) && ctx_lens.size(0) == q.size(0) && out.sizes() == q.sizes(),
         "decode_attention: one block table and length per query");
+  const int64_t BS = k_cache.size(2), MB = block_tables.size(1);
+  const int32_t* tp = block_tables.data_ptr<int32_t>();
+  const int32_t* lp = ctx_lens.data_ptr<int32_t>();
+  for (int64_t d = 0; d < q.size(0); ++d) {
+    check(lp[d] >= 1 && lp[d] <= MB * BS, "decode_attention: a context length outside [1, blocks in its table]");
+    for (int64_t j = 0; j * BS < lp[d]; ++j)
+      check(tp[d * MB + j] >= 0 && tp[d * MB + j] < k_cache.size(0), "decode_attention: block id out of range");
+  }
   switch (q.scalar_type()) {
     case at::kFloat: return decode_attention_impl<float>(q, k_cache, v_cache, block_tables, ctx_lens, scale, out);
     case at::kBFloat16:
