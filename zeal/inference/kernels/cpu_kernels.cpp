@@ -144,6 +144,32 @@ void parallel_strided(int64_t n, const F& f) {
   });
 }
 
+// One step of an online softmax over a row of scores s[0, n) (n a multiple of W) of which
+// only s[0, see) are real: the row's running maximum and sum take the new scores in, and
+// put(c, e) stores the 16 weights e = e^(s[c..c+16) - max), zero past `see`, returning
+// them as stored (rounded, perhaps), which is what the sum adds. Returns the factor for the
+// row's accumulated output (0 at the first step, whose old maximum is -inf).
+template <typename Put>
+inline float online_softmax(const float* s, int64_t n, int64_t see, float& mx, float& sum, const Put& put) {
+  vf vm = vbroadcast(mx);
+  for (int64_t c = 0; c < see; c += W) {
+    vf x = vload(s + c);
+    for (int64_t i = see - c; i < W; ++i) x[i] = mx;  // lanes past `see` take no part
+    vm = x > vm ? x : vm;
+  }
+  const float m = hmax(vm), corr = std::exp(mx - m);
+  vf l = {};
+  for (int64_t c = 0; c < n; c += W) {
+    vf e = vexp(vload(s + c) - m);
+    if (c + W > see)
+      for (int64_t i = std::max<int64_t>(0, see - c); i < W; ++i) e[i] = 0.f;
+    l += put(c, e);
+  }
+  sum = sum * corr + hsum(l);
+  mx = m;
+  return corr;
+}
+
 // run the statement with `scalar` bound to the C++ type of a floating dtype
 #define ZEAL_DISPATCH(dtype, NAME, ...)                                   \
   switch (dtype) {                                                        \
@@ -240,23 +266,10 @@ void decode_heads(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, co
     }
     for (int g = 0; g < GS; ++g) {  // online softmax, rescaled once per block
       float* sg = s + g * BP;
-      for (int64_t t = cnt; t < cp; ++t) sg[t] = neg_inf;
-      vf vm = vbroadcast(mx[g]);
-      for (int64_t c = 0; c < cp; c += W) {
-        const vf x = vload(sg + c);
-        vm = x > vm ? x : vm;
-      }
-      const float m = hmax(vm), corr = std::exp(mx[g] - m);  // 0 for the first block
-      vf l = {};
-      for (int64_t c = 0; c < cp; c += W) {
-        const vf e = vexp(vload(sg + c) - m);
+      const float corr = online_softmax(sg, cp, cnt, mx[g], sum[g], [&](int64_t c, vf e) {
         vstore(sg + c, e);
-        l += e;
-      }
-      float ls = hsum(l);
-      for (int64_t t = cnt; t < cp; ++t) ls -= sg[t];  // the padded tail's (tiny) share
-      sum[g] = sum[g] * corr + ls;
-      mx[g] = m;
+        return e;
+      });
       for (int c = 0; c < C; ++c) acc[g][c] *= corr;
     }
     for (int64_t t = 0; t < cnt; ++t) {
@@ -458,27 +471,10 @@ void chunk_attention_impl(const ChunkArgs& a, const T* qp, const T* kp, const T*
               corr[m] = 1.f;
               continue;
             }
-            for (int64_t t = see; t < KT; ++t) sm[t] = neg_inf;
-            vf vm = vbroadcast(mx[m]);
-            for (int64_t c = 0; c < KT; c += W) {
-              const vf x = vload(sm + c);
-              vm = x > vm ? x : vm;
-            }
-            const float mnew = hmax(vm);
-            corr[m] = std::exp(mx[m] - mnew);  // 0 for the first tile
-            vf l = {};
-            for (int64_t c = 0; c < KT; c += W) {
-              const vf e = vexp(vload(sm + c) - mnew);
+            corr[m] = online_softmax(sm, KT, see, mx[m], sum[m], [&](int64_t c, vf e) {
               vstore(sm + c, e);
-              l += e;
-            }
-            float ls = hsum(l);
-            for (int64_t t = see; t < KT; ++t) {  // exactly 0 past the causal edge
-              ls -= sm[t];
-              sm[t] = 0.f;
-            }
-            sum[m] = sum[m] * corr[m] + ls;
-            mx[m] = mnew;
+              return e;
+            });
           }
           const float* vtj = vt.data() + j * KT * HP;
           for (m = 0; m + RBV <= rows; m += RBV)
@@ -605,33 +601,13 @@ void chunk_attention_bf16(const ChunkArgs& a, const c10::BFloat16* qp, const c10
             corr[m] = 1.f;
             continue;
           }
-          for (int64_t t = see; t < KT; ++t) sm[t] = neg_inf;
-          vf vm = vbroadcast(mx[m]);
-          for (int64_t c = 0; c < KT; c += W) {
-            const vf x = vload(sm + c);
-            vm = x > vm ? x : vm;
-          }
-          const float mnew = hmax(vm);
-          corr[m] = std::exp(mx[m] - mnew);
-          vf l = {};
-          for (int64_t c = 0; c < KT; c += W) {
-            const vf e = vexp(vload(sm + c) - mnew);
+          corr[m] = online_softmax(sm, KT, see, mx[m], sum[m], [&](int64_t c, vf e) {
             const vu32 b = reinterpret_cast<const vu32&>(e);
             const vu32 r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;  // round to bf16
-            l += reinterpret_cast<const vf&>(r);
             const vu16 hi = __builtin_convertvector(r >> 16, vu16);
             std::memcpy(pm + c, &hi, sizeof hi);
-          }
-          float ls = hsum(l);
-          for (int64_t t = see; t < KT; ++t) {  // exactly 0 past the causal edge
-            float e;
-            const uint32_t bits = static_cast<uint32_t>(pm[t]) << 16;
-            std::memcpy(&e, &bits, sizeof e);
-            ls -= e;
-            pm[t] = 0;
-          }
-          sum[m] = sum[m] * corr[m] + ls;
-          mx[m] = mnew;
+            return reinterpret_cast<const vf&>(r);
+          });
         }
         const uint32_t* vtj = vt.data() + j * (KT / 2) * HP;
         const int64_t npairs = (nkeys + 1) / 2;
@@ -736,55 +712,17 @@ void write_kv(at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& k, const
 // threads only when it is large enough to pay for waking them.
 inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
 
+// Normalise rows of x over the last dimension: LayerNorm (centred, then * weight + bias)
+// or RMSNorm (not centred, * weight). With delta, x += delta first, in place and rounded to
+// the dtype as a separate residual add would be.
 template <typename T>
-void rms_norm_impl(T* x, const T* delta, const T* w, int64_t rows, int64_t H, float eps, T* out) {
+void norm_impl(T* x, const T* delta, const T* w, const T* b, bool center, int64_t rows, int64_t H, float eps,
+               T* out) {
   const int64_t HP = round_up(H);
   at::parallel_for(0, rows, row_grain(H), [&](int64_t begin, int64_t end) {
-    std::vector<float> a(HP), b(HP), wf(HP);
+    std::vector<float> a(HP), d(HP), wf(HP), bf(HP, 0.f);
     to_float(w, wf.data(), H, HP);
-    for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * H;
-      to_float(xr, a.data(), H, HP);
-      if (delta != nullptr) {  // the residual add, rounded to the dtype as a separate add would be
-        to_float(delta + r * H, b.data(), H, HP);
-        for (int64_t c = 0; c < HP; c += W) vstore(a.data() + c, vload(a.data() + c) + vload(b.data() + c));
-        from_float(a.data(), xr, H);
-        to_float(xr, a.data(), H, HP);
-      }
-      vf ss = {};
-      for (int64_t c = 0; c < HP; c += W) ss += vload(a.data() + c) * vload(a.data() + c);
-      const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps);
-      for (int64_t c = 0; c < HP; c += W) vstore(a.data() + c, vload(a.data() + c) * inv * vload(wf.data() + c));
-      from_float(a.data(), out + r * H, H);
-    }
-  });
-}
-
-// out = x / rms(x) * weight over the last dimension; with delta, first x += delta (in place)
-void rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps,
-              at::Tensor out) {
-  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(1, H);
-  check(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() && weight.numel() == H &&
-            out.sizes() == x.sizes() && weight.scalar_type() == x.scalar_type() &&
-            out.scalar_type() == x.scalar_type(),
-        "rms_norm: contiguous x, out and weight of one dtype");
-  if (delta.has_value())
-    check(delta->is_contiguous() && delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
-          "rms_norm: delta like x");
-  ZEAL_DISPATCH(x.scalar_type(), "rms_norm",
-                rms_norm_impl<scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
-                                      weight.data_ptr<scalar>(), rows, H, static_cast<float>(eps),
-                                      out.data_ptr<scalar>()));
-}
-
-// out = LayerNorm(x) * weight + bias over the last dimension; with delta, first x += delta
-template <typename T>
-void layer_norm_impl(T* x, const T* delta, const T* w, const T* b, int64_t rows, int64_t H, float eps, T* out) {
-  const int64_t HP = round_up(H);
-  at::parallel_for(0, rows, row_grain(H), [&](int64_t begin, int64_t end) {
-    std::vector<float> a(HP), d(HP), wf(HP), bf(HP);
-    to_float(w, wf.data(), H, HP);
-    to_float(b, bf.data(), H, HP);
+    if (b != nullptr) to_float(b, bf.data(), H, HP);
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * H;
       to_float(xr, a.data(), H, HP);
@@ -794,14 +732,16 @@ void layer_norm_impl(T* x, const T* delta, const T* w, const T* b, int64_t rows,
         from_float(a.data(), xr, H);
         to_float(xr, a.data(), H, HP);
       }
-      vf sm = {};
-      for (int64_t c = 0; c < HP; c += W) sm += vload(a.data() + c);
-      const float mean = hsum(sm) / static_cast<float>(H);
+      float mean = 0.f;
+      if (center) {
+        vf sm = {};
+        for (int64_t c = 0; c < HP; c += W) sm += vload(a.data() + c);
+        mean = hsum(sm) / static_cast<float>(H);
+      }
       vf ss = {};
       for (int64_t c = 0; c < H; c += W) {  // padded lanes hold 0, not the mean: skip them
         vf e = vload(a.data() + c) - mean;
-        if (c + W > H)
-          for (int64_t i = H - c; i < W; ++i) e[i] = 0.f;
+        for (int64_t i = H - c; i < W; ++i) e[i] = 0.f;
         ss += e * e;
       }
       const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(H) + eps);
@@ -812,21 +752,34 @@ void layer_norm_impl(T* x, const T* delta, const T* w, const T* b, int64_t rows,
   });
 }
 
+void norm(const char* name, at::Tensor& x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+          const at::Tensor* bias, double eps, at::Tensor& out) {
+  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(1, H);
+  const auto like_weight = [&](const at::Tensor& t) {
+    return t.is_contiguous() && t.numel() == H && t.scalar_type() == x.scalar_type();
+  };
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
+                  out.scalar_type() == x.scalar_type() && like_weight(weight) && (bias == nullptr || like_weight(*bias)),
+              "zeal cpu kernel: ", name, ": contiguous x, out, weight (and bias) of one dtype");
+  TORCH_CHECK(!delta.has_value() || (delta->is_contiguous() && delta->sizes() == x.sizes() &&
+                                     delta->scalar_type() == x.scalar_type()),
+              "zeal cpu kernel: ", name, ": delta like x");
+  ZEAL_DISPATCH(x.scalar_type(), "norm",
+                norm_impl<scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
+                                  weight.data_ptr<scalar>(), bias != nullptr ? bias->data_ptr<scalar>() : nullptr,
+                                  bias != nullptr, rows, H, static_cast<float>(eps), out.data_ptr<scalar>()));
+}
+
+// out = x / rms(x) * weight; with delta, first x += delta (in place)
+void rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight, double eps,
+              at::Tensor out) {
+  norm("rms_norm", x, delta, weight, nullptr, eps, out);
+}
+
+// out = (x - mean) / std * weight + bias; with delta, first x += delta (in place)
 void layer_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                 const at::Tensor& bias, double eps, at::Tensor out) {
-  const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(1, H);
-  check(x.is_contiguous() && out.is_contiguous() && weight.is_contiguous() && bias.is_contiguous() &&
-            weight.numel() == H && bias.numel() == H && out.sizes() == x.sizes() &&
-            weight.scalar_type() == x.scalar_type() && bias.scalar_type() == x.scalar_type() &&
-            out.scalar_type() == x.scalar_type(),
-        "layer_norm: contiguous x, out, weight and bias of one dtype");
-  if (delta.has_value())
-    check(delta->is_contiguous() && delta->sizes() == x.sizes() && delta->scalar_type() == x.scalar_type(),
-          "layer_norm: delta like x");
-  ZEAL_DISPATCH(x.scalar_type(), "layer_norm",
-                layer_norm_impl<scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
-                                        weight.data_ptr<scalar>(), bias.data_ptr<scalar>(), rows, H,
-                                        static_cast<float>(eps), out.data_ptr<scalar>()));
+  norm("layer_norm", x, delta, weight, &bias, eps, out);
 }
 
 // x = gelu(x) with the tanh approximation (GPT-2's "gelu_new"), in place
