@@ -60,7 +60,7 @@ def _load() -> object | None:
     if not (build_dir / f"{name}.so").exists():
         log.warning("zeal: compiling the fused CPU kernels once (%s)", build_dir)
     load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"], extra_ldflags=["-fopenmp"], verbose=False)
+         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"], extra_ldflags=["-fopenmp"], verbose=False)
     return torch.ops.zeal_cpu
 
 

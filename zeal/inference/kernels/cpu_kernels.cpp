@@ -1,11 +1,13 @@
 // Fused CPU kernels for zeal's serving engine, built on first use by
 // zeal/inference/kernels/__init__.py (torch.utils.cpp_extension, -O3 -march=native).
 //
-// Every kernel computes in fp32 whatever the storage dtype (fp32, bf16, fp16), and is
-// written as plain loops over contiguous rows that the compiler vectorises; threads
-// come from ATen's own pool (at::parallel_for), so they never compete with a second
-// OpenMP runtime. The pure-torch code in attention.py / llama.py is the reference
-// each kernel is tested against.
+// Every kernel computes in fp32 whatever the storage dtype (fp32, bf16, fp16), on
+// 16-lane GCC/Clang vector types that the compiler maps to the machine's registers
+// (AVX-512, AVX2, NEON); the one ISA-specific path, bf16 prompt attention on
+// AVX512-BF16, sits behind its feature macro. Threads come from ATen's own pool
+// (at::parallel_for; the library links the libgomp torch already loaded), so they never
+// compete with a second OpenMP runtime. The pure-torch code in attention.py, llama.py
+// and gpt_adapter.py is the reference each kernel is tested against.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,12 +48,18 @@ inline vf vbroadcast(float x) { return vf{} + x; }
 inline int64_t round_up(int64_t n) { return (n + W - 1) / W * W; }
 
 inline float hsum(vf v) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)  // GCC 12+, Clang
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
   v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < W; ++i) s += v[i];
+  return s;
+#endif
 }
 
 inline float hmax(vf v) {
@@ -183,6 +191,7 @@ inline float online_softmax(const float* s, int64_t n, int64_t see, float& mx, f
 // One query token per sequence d over its cached context, read block by block through
 // its block table: for every (sequence, K/V head) the grouped query heads share each
 // K/V row (loaded once, converted once); softmax is online, rescaled once per block.
+
 // C vectors of one stored row (C * W >= n elements, zero-padded), converted to fp32 in registers
 template <int C>
 inline void load_vecs(const c10::BFloat16* src, int64_t n, float* buf, vf* out) {
@@ -226,7 +235,6 @@ struct DecodeArgs {
 template <typename T, int C, int GS>
 void decode_heads(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, const int32_t* table,
                   int64_t n, int64_t d, int64_t h, int64_t g0, float* s, float* buf, T* op) {
-  constexpr int64_t HP = C * W;
   const int64_t BP = round_up(a.BS);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   vf q[GS][C], acc[GS][C];
@@ -286,7 +294,6 @@ void decode_heads(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, co
     for (int c = 0; c < C; ++c) vstore(buf + c * W, acc[g][c] * inv);
     from_float(buf, op + (d * a.NH + g0 + g) * a.HD, a.HD);
   }
-  (void)HP;
 }
 
 template <typename T, int C>
@@ -297,20 +304,18 @@ void decode_all(const DecodeArgs& a, const T* qp, const T* kp, const T* vp, cons
   parallel_strided(D * a.NKV, [&](int64_t item) {
     thread_local std::vector<float> s, buf;
     s.resize(GMAX * round_up(a.BS)), buf.resize(C * W);
-    {
-      const int64_t d = item / a.NKV, h = item % a.NKV;
-      for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
-        const int64_t gs = std::min<int64_t>(GMAX, G - g0);
-        auto run = [&](auto gs_const) {
-          decode_heads<T, C, decltype(gs_const)::value>(a, qp, kp, vp, tp + d * a.MB, lp[d], d, h,
-                                                          h * G + g0, s.data(), buf.data(), op);
-        };
-        switch (gs) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: if constexpr (GMAX >= 2) run(std::integral_constant<int, 2>{}); break;
-          case 3: if constexpr (GMAX >= 3) run(std::integral_constant<int, 3>{}); break;
-          default: if constexpr (GMAX >= 4) run(std::integral_constant<int, 4>{}); break;
-        }
+    const int64_t d = item / a.NKV, h = item % a.NKV;
+    for (int64_t g0 = 0; g0 < G; g0 += GMAX) {  // the group's query heads, GMAX at a time
+      const int64_t gs = std::min<int64_t>(GMAX, G - g0);
+      auto run = [&](auto gs_const) {
+        decode_heads<T, C, decltype(gs_const)::value>(a, qp, kp, vp, tp + d * a.MB, lp[d], d, h, h * G + g0,
+                                                        s.data(), buf.data(), op);
+      };
+      switch (gs) {
+        case 1: run(std::integral_constant<int, 1>{}); break;
+        case 2: if constexpr (GMAX >= 2) run(std::integral_constant<int, 2>{}); break;
+        case 3: if constexpr (GMAX >= 3) run(std::integral_constant<int, 3>{}); break;
+        default: if constexpr (GMAX >= 4) run(std::integral_constant<int, 4>{}); break;
       }
     }
   });
@@ -444,49 +449,47 @@ void chunk_attention_impl(const ChunkArgs& a, const T* qp, const T* kp, const T*
     parallel_strided(nq, [&](int64_t qi) {
       thread_local std::vector<float> qf, o, S, mx, sum, corr;
       qf.resize(M * HP), o.resize(M * HP), S.resize(M * KT), mx.resize(M), sum.resize(M), corr.resize(M);
-      {
-        const int64_t i0 = qi * QR, rows = std::min(QR, a.L - i0) * G;  // row m: query i0 + m / G, head m % G
-        for (int64_t m = 0; m < rows; ++m) {
-          float* qm = qf.data() + m * HP;
-          to_float(qp + (i0 + m / G) * a.qs0 + (h * G + m % G) * a.HD, qm, a.HD, HP);
-          for (int64_t c = 0; c < HP; c += W) vstore(qm + c, vload(qm + c) * a.scale);
-        }
-        std::fill(o.begin(), o.end(), 0.f);
-        std::fill(mx.begin(), mx.end(), neg_inf);
-        std::fill(sum.begin(), sum.end(), 0.f);
-        const int64_t first = a.C - a.L + i0, last = first + rows / G - 1;  // positions of the tile's queries
-        for (int64_t j = 0; j * KT <= last; ++j) {
-          const int64_t k0 = j * KT;
-          const float* ktj = kt.data() + j * HP * KT;
-          int64_t m = 0;
-          for (; m + 4 <= rows; m += 4) tile_scores<4>(qf.data() + m * HP, HP, a.HD, ktj, S.data() + m * KT);
-          for (; m < rows; ++m) tile_scores<1>(qf.data() + m * HP, HP, a.HD, ktj, S.data() + m * KT);
-          int64_t nkeys = 0;  // keys of this tile that some row sees
-          for (m = 0; m < rows; ++m) {
-            float* sm = S.data() + m * KT;
-            const int64_t see = std::min(KT, first + m / G - k0 + 1);  // keys k0 .. pos visible
-            nkeys = std::max(nkeys, see);
-            if (see <= 0) {  // the whole tile lies ahead of this query
-              std::fill(sm, sm + KT, 0.f);
-              corr[m] = 1.f;
-              continue;
-            }
-            corr[m] = online_softmax(sm, KT, see, mx[m], sum[m], [&](int64_t c, vf e) {
-              vstore(sm + c, e);
-              return e;
-            });
+      const int64_t i0 = qi * QR, rows = std::min(QR, a.L - i0) * G;  // row m: query i0 + m / G, head m % G
+      for (int64_t m = 0; m < rows; ++m) {
+        float* qm = qf.data() + m * HP;
+        to_float(qp + (i0 + m / G) * a.qs0 + (h * G + m % G) * a.HD, qm, a.HD, HP);
+        for (int64_t c = 0; c < HP; c += W) vstore(qm + c, vload(qm + c) * a.scale);
+      }
+      std::fill(o.begin(), o.end(), 0.f);
+      std::fill(mx.begin(), mx.end(), neg_inf);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      const int64_t first = a.C - a.L + i0, last = first + rows / G - 1;  // positions of the tile's queries
+      for (int64_t j = 0; j * KT <= last; ++j) {
+        const int64_t k0 = j * KT;
+        const float* ktj = kt.data() + j * HP * KT;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) tile_scores<4>(qf.data() + m * HP, HP, a.HD, ktj, S.data() + m * KT);
+        for (; m < rows; ++m) tile_scores<1>(qf.data() + m * HP, HP, a.HD, ktj, S.data() + m * KT);
+        int64_t nkeys = 0;  // keys of this tile that some row sees
+        for (m = 0; m < rows; ++m) {
+          float* sm = S.data() + m * KT;
+          const int64_t see = std::min(KT, first + m / G - k0 + 1);  // keys k0 .. pos visible
+          nkeys = std::max(nkeys, see);
+          if (see <= 0) {  // the whole tile lies ahead of this query
+            std::fill(sm, sm + KT, 0.f);
+            corr[m] = 1.f;
+            continue;
           }
-          const float* vtj = vt.data() + j * KT * HP;
-          for (m = 0; m + RBV <= rows; m += RBV)
-            tile_values<C, RBV>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
-          for (; m < rows; ++m) tile_values<C, 1>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
+          corr[m] = online_softmax(sm, KT, see, mx[m], sum[m], [&](int64_t c, vf e) {
+            vstore(sm + c, e);
+            return e;
+          });
         }
-        for (int64_t m = 0; m < rows; ++m) {
-          float* om = o.data() + m * HP;
-          const float inv = 1.f / sum[m];
-          for (int64_t c = 0; c < HP; c += W) vstore(om + c, vload(om + c) * inv);
-          from_float(om, op + (i0 + m / G) * a.os0 + (h * G + m % G) * a.HD, a.HD);
-        }
+        const float* vtj = vt.data() + j * KT * HP;
+        for (m = 0; m + RBV <= rows; m += RBV)
+          tile_values<C, RBV>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
+        for (; m < rows; ++m) tile_values<C, 1>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
+      }
+      for (int64_t m = 0; m < rows; ++m) {
+        float* om = o.data() + m * HP;
+        const float inv = 1.f / sum[m];
+        for (int64_t c = 0; c < HP; c += W) vstore(om + c, vload(om + c) * inv);
+        from_float(om, op + (i0 + m / G) * a.os0 + (h * G + m % G) * a.HD, a.HD);
       }
     });
   }
