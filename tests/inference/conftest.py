@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
+from zeal.inference.kernels import cpu_kernels
+
 VOCAB = 96
+
+# Build (or load) the fused CPU kernels while tests are collected, where no per-test
+# timeout runs: a first build takes ~25 s on two cores.
+cpu_kernels()
 
 
 def _char_tokenizer_json() -> str:
