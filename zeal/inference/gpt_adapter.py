@@ -52,6 +52,8 @@ class PagedGPT(nn.Module):
         logits_index: torch.Tensor | None = None,
         kernels: object | None = None,
     ) -> torch.Tensor:
+        """``kernels``: fused CPU ops (``zeal.inference.kernels``) for LayerNorm with the
+        residual add and GELU, used without autograd (serving)."""
         if attn is None:
             def attn(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
                 return dense_causal_attention(q, k, v)

@@ -1,6 +1,6 @@
 """Fused CPU kernels for serving, compiled from ``cpu_kernels.cpp`` on first use.
 
-The build (``torch.utils.cpp_extension``, ``-O3 -march=native``, about 40 s on two
+The build (``torch.utils.cpp_extension``, ``-O3 -march=native``, about 25 s on two
 cores) runs once per machine, source and torch version; the library is kept under
 zeal's cache (``$ZEAL_CACHE/kernels``). Without a C++ compiler or ``ninja``, or with
 ``ZEAL_CPU_KERNELS=0``, :func:`cpu_kernels` returns None and callers keep their
@@ -43,7 +43,7 @@ def _build_name() -> str:
     return "zeal_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _load() -> object | None:
+def _load() -> object:
     from torch.utils.cpp_extension import load
 
     from zeal.data.tokenizer import cache_dir
@@ -59,8 +59,10 @@ def _load() -> object | None:
         pass
     if not (build_dir / f"{name}.so").exists():
         log.warning("zeal: compiling the fused CPU kernels once (%s)", build_dir)
+    # -fopenmp links libgomp, which resolves to the copy torch already loaded: one thread pool
     load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
-         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"], extra_ldflags=["-fopenmp"], verbose=False)
+         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"],
+         extra_ldflags=["-fopenmp"], verbose=False)
     return torch.ops.zeal_cpu
 
 
@@ -69,7 +71,7 @@ def cpu_kernels() -> object | None:
     with _lock:
         if "ops" not in _state:
             ops = None
-            if os.environ.get("ZEAL_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "AMD64", "aarch64"):
+            if os.environ.get("ZEAL_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "aarch64"):
                 try:
                     ops = _load()
                 except Exception as e:  # no compiler, no ninja, a read-only cache: stay pure torch
