@@ -12,17 +12,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm BF16)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return False
-    flags = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[-1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    from zeal.inference.kernels import cpu_flags
+
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def resolve_dtype(name: str, device: str) -> str:

@@ -44,7 +44,7 @@ class PrefillChunk:
     q_start: int
     q_len: int
     ctx_len: int
-    block_table: torch.Tensor  # (num_blocks_of_seq,)
+    block_table: torch.Tensor  # (num_blocks_of_seq,) int32
 
 
 @dataclass
@@ -273,14 +273,14 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this pass's K/V into the cache, then attend. q: (T, nh, hd); k, v: (T, nkv, hd)."""
     ops = meta.kernels
-    if ops is not None:
-        ops.write_kv(k_cache, v_cache, k.to(k_cache.dtype), v.to(v_cache.dtype), meta.slot_mapping)
+    scale = q.shape[-1] ** -0.5
+    if ops is not None:  # the runner uses kernels only with the cache in the model's dtype
+        ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     else:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     plan = meta.decodes
     if isinstance(plan, DecodeTables):
-        scale = q.shape[-1] ** -0.5
         if isinstance(plan.rows, slice):  # the kernel writes its rows of out in place
             ops.decode_attention(q[plan.rows].contiguous(), k_cache, v_cache, plan.block_tables,
                                  plan.ctx_lens, scale, out[plan.rows])
@@ -294,7 +294,7 @@ def paged_attention(
     for c in meta.prefills:
         rows = slice(c.q_start, c.q_start + c.q_len)
         if ops is not None:  # reads the chunk's context (itself included) from the cache
-            ops.chunk_attention(q[rows], k_cache, v_cache, c.block_table, c.ctx_len, q.shape[-1] ** -0.5, out[rows])
+            ops.chunk_attention(q[rows], k_cache, v_cache, c.block_table, c.ctx_len, scale, out[rows])
             continue
         if c.ctx_len == c.q_len:  # nothing cached before this chunk: use the fresh K/V
             kc, vc = k[rows].transpose(0, 1), v[rows].transpose(0, 1)

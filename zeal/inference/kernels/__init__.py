@@ -28,14 +28,24 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (x86 ``flags``, Arm ``Features``) from ``/proc/cpuinfo``;
+    empty where it can't be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[-1].split())
+    return flags
+
+
 def _cpu_signature() -> str:
     """What ``-march=native`` depends on: the CPU's model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
+    return " ".join([platform.processor() or platform.machine(), *sorted(cpu_flags())])
 
 
 def _build_name() -> str:

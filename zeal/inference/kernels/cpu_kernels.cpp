@@ -193,6 +193,12 @@ inline float online_softmax(const float* s, int64_t n, int64_t see, float& mx, f
 // K/V row (loaded once, converted once); softmax is online, rescaled once per block.
 
 // C vectors of one stored row (C * W >= n elements, zero-padded), converted to fp32 in registers
+template <int C, typename T>
+inline void load_vecs(const T* src, int64_t n, float* buf, vf* out) {
+  to_float(src, buf, n, C * W);
+  for (int c = 0; c < C; ++c) out[c] = vload(buf + c * W);
+}
+
 template <int C>
 inline void load_vecs(const c10::BFloat16* src, int64_t n, float* buf, vf* out) {
   if (n == C * W) {
@@ -219,11 +225,6 @@ inline void load_vecs(const float* src, int64_t n, float* buf, vf* out) {
   for (int c = 0; c < C; ++c) out[c] = vload(buf + c * W);
 }
 
-template <int C>
-inline void load_vecs(const c10::Half* src, int64_t n, float* buf, vf* out) {
-  to_float(src, buf, n, C * W);
-  for (int c = 0; c < C; ++c) out[c] = vload(buf + c * W);
-}
 
 struct DecodeArgs {
   int64_t NH, HD, NKV, BS, MB;
