@@ -86,3 +86,86 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, loca
             if p.is_alive():
                 p.kill()
     return [results[r] for r in range(world)]
+
+
+def _pool_child(rank: int, world: int, port: int, inbox, outbox) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
+    })
+    import torch
+
+    torch.set_num_threads(1)
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            outbox.put((rank, "ok", _plain(fn(rank, world, *args))))
+        except BaseException:  # noqa: BLE001 - report anything to the parent
+            outbox.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` gloo ranks kept alive across calls, so that many small distributed runs
+    (a property test's examples) pay the process start-up once. ``run(fn, *args)`` runs
+    ``fn(rank, world, *args)`` on every rank with a deadline; after a failure or a
+    time-out the pool is closed (a rank may be stuck in a collective) and restarts on
+    the next call."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self._inboxes = [ctx.Queue() for _ in range(self.world)]
+        self._outbox = ctx.Queue()
+        self._procs = [ctx.Process(target=_pool_child, args=(r, self.world, port, self._inboxes[r], self._outbox),
+                                   daemon=True) for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable, *args: Any, timeout: float = 60.0) -> list:
+        if not self._procs:
+            self._start()
+        for box in self._inboxes:
+            box.put((fn, args))
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < self.world:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(results))} did not finish "
+                                       f"in {timeout}s")
+                try:
+                    rank, status, payload = self._outbox.get(timeout=min(remaining, 1.0))
+                except Exception:  # queue.Empty
+                    dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+                    if dead:
+                        raise RuntimeError(f"rank {dead[0]} died with exit code {self._procs[dead[0]].exitcode}") from None
+                    continue
+                if status == "error":
+                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
+                results[rank] = payload
+        except BaseException:
+            self.close()
+            raise
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        for box in getattr(self, "_inboxes", []):
+            box.put(None)
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []

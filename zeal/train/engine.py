@@ -134,18 +134,22 @@ class TrainEngine:
         return self.train(False)
 
     # -- the loop ------------------------------------------------------------------------
-    def __call__(self, batch: Any, **kwargs: Any) -> Any:
-        return self.forward(batch, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
-    def forward(self, batch: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on this rank's inputs (moved to the device, floating point ones
+        cast to the compute dtype). As DeepSpeed's engine, ``engine(*args, **kwargs)``
+        calls ``model(*args, **kwargs)``; a lone positional batch is unpacked:
+        a dict → ``model(**batch)``, a tuple or list → ``model(*batch)``."""
         t0 = time.perf_counter()
-        batch = self._to_device(batch)
-        if isinstance(batch, dict):
-            out = self.module(**batch, **kwargs)
-        elif isinstance(batch, (tuple, list)):
-            out = self.module(*batch, **kwargs)
+        args, kwargs = self._to_device(args), self._to_device(kwargs)
+        if len(args) == 1 and isinstance(args[0], dict):
+            out = self.module(**args[0], **kwargs)
+        elif len(args) == 1 and isinstance(args[0], (tuple, list)):
+            out = self.module(*args[0], **kwargs)
         else:
-            out = self.module(batch, **kwargs)
+            out = self.module(*args, **kwargs)
         self._tick("forward", t0)
         return out
 

@@ -17,6 +17,12 @@ Modes (chosen by stage):
 
 Reductions are launched asynchronously from post-accumulate-grad hooks in the
 order gradients complete, which is the same on every rank for the same graph.
+A unit is launched once each of its parameters has had a gradient accumulated. A
+parameter can be accumulated more than once in one backward (reentrant activation
+checkpointing runs a backward per checkpointed region: a parameter shared by two
+regions, or a module run twice, gets one accumulation per region); what arrives
+after its unit was launched is a *late* gradient, collected apart and reduced at the
+end of backward (a sum of reductions is the reduction of the sum).
 ``overlap_comm=False`` launches them all after backward in unit order instead,
 which is safe when ranks may skip different parameters.
 Results are sums; :meth:`reduced_grad` divides by the world size (mean).
@@ -42,6 +48,7 @@ class GradReducer:
                  scatter: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> None:
         assert mode in MODES, mode
         self.units = [u for u in units if u.trainable]
+        self.units_by_index = {u.index: u for u in self.units}
         self.comm, self.mode, self.overlap = comm, mode, overlap
         self.max_inflight = max_inflight_elems
         self.on_grads_taken = on_grads_taken
@@ -60,6 +67,7 @@ class GradReducer:
         self._boundary = True
         self._slot_of: dict[int, tuple[FlatUnit, int]] = {}
         self._filled: dict[int, set[int]] = {u.index: set() for u in self.units}  # slots written since zero
+        self._late: dict[int, torch.Tensor] = {}     # stages 0-1: late gradients (see above), full size
         self._flat_acc = None
         if mode == "scatter_every_step":  # one flat buffer; each unit's accumulator is a view
             self._flat_acc = torch.zeros(sum(u.shard_numel for u in self.units),
@@ -88,6 +96,14 @@ class GradReducer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         u, i = self._slot_of[id(p)]
+        if u.index in self._launched and self.mode != "scatter_every_step":
+            late = self._late.get(u.index)
+            if late is None:
+                late = self._late[u.index] = torch.zeros(u.padded, dtype=u.dtype, device=u.device)
+            slot = u.slots[i]
+            late[slot.offset:slot.end].add_(p.grad.reshape(-1))
+            p.grad = None
+            return
         if self.mode != "scatter_every_step":
             slot = u.slots[i]
             view = self.full_grads[u.index][slot.offset:slot.end].view(slot.shape)
@@ -102,27 +118,35 @@ class GradReducer:
         else:
             g = p.grad
             p.grad = None
-            if len(u.slots) == 1 and u.padded == u.numel and g.is_contiguous() and g.dtype == u.dtype:
+            flat = self._flat.get(u.index)
+            if flat is None and len(u.slots) == 1 and u.padded == u.numel and g.is_contiguous() \
+                    and g.dtype == u.dtype:
                 # a lone unpadded parameter (an embedding): its gradient is the flat buffer
                 self._flat[u.index] = g.view(-1)
                 self._got[u.index] = {0}
             else:
-                flat = self._flat.get(u.index)
                 if flat is None:
                     flat = self._flat[u.index] = self._take(u.padded, u)
                     self._got[u.index] = set()
                 slot = u.slots[i]
-                flat[slot.offset:slot.end].copy_(g.reshape(-1))
+                if i in self._got[u.index]:  # a second accumulation in this backward (see above)
+                    flat[slot.offset:slot.end].add_(g.reshape(-1))
+                else:
+                    flat[slot.offset:slot.end].copy_(g.reshape(-1))
                 self._got[u.index].add(i)
         self._ready_count[u.index] += 1
         if (self.overlap and self._communicates() and self._ready_count[u.index] == len(u.params)):
             self._launch(u)
 
-    def _launch(self, u: FlatUnit) -> None:
-        if u.index in self._launched:
+    def _launch(self, u: FlatUnit, again: bool = False) -> None:
+        """Start reducing ``u``'s gradients; ``again``: its late gradients (stages 2-3)."""
+        if u.index in self._launched and not again:
             return
         self._launched.add(u.index)
         if self.mode != "scatter_every_step":
+            # a gradient accumulated from now on must not land in the buffer being reduced
+            for q in u.params:
+                q.grad = None
             full = self.full_grads[u.index]
             for i, slot in enumerate(u.slots):
                 if i not in self._filled[u.index]:  # no gradient since zero: the slot holds old values
@@ -178,11 +202,26 @@ class GradReducer:
         self._drain()
 
     def finish_backward(self) -> None:
-        """Launch what hooks did not (unused parameters, overlap off) and wait for all."""
+        """Launch what hooks did not (unused parameters, overlap off), then the late
+        gradients, and wait for all."""
         if self._communicates():
             for u in self.units:
                 self._launch(u)
+            if self.mode == "scatter_every_step":
+                for u in self.units:
+                    if u.index in self._flat:  # late gradients: a second reduce-scatter adds them
+                        self._launch(u, again=True)
         self._drain()
+        for idx, late in self._late.items():
+            u = self.units_by_index[idx]
+            if self.mode == "all_reduce":
+                self.comm.all_reduce(late, "grad")
+                self.full_grads[idx].add_(late)
+            else:
+                out = torch.empty(u.shard_numel, dtype=u.dtype, device=u.device)
+                self.comm.reduce_scatter(out, late, "grad")
+                self.acc[idx].add_(out)
+        self._late.clear()
 
     # -- for the optimizer ------------------------------------------------------------
     def reduced_grad(self, u: FlatUnit) -> torch.Tensor:

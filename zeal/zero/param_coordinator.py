@@ -29,29 +29,61 @@ less the backward gather of embeddings that nothing else shares.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zeal.zero.external import ExternalReads, external_parameters
 from zeal.zero.units import FlatUnit
 from zeal.zero.zeropp import UnitCollectives
 
+log = logging.getLogger("zeal")
+
+
+@dataclass(eq=False)
+class _Call:
+    """One forward invocation of a hooked module: the units it holds (its own, plus
+    external ones found while it ran) and how far its backward has come."""
+
+    module: nn.Module
+    units: list[FlatUnit]
+    asked: bool = False  # its backward gathered the units
+    done: bool = False   # its backward finished
+
 
 class ParamCoordinator:
+    """Gathers, releases and prefetches stage-3 units around every module call.
+
+    ``needs`` maps each hooked module to the units its forward reads; the root module
+    is always hooked, so that a parameter read outside the module that owns it is seen
+    (:class:`ExternalReads`), gathered at once, and from then on gathered with the
+    module that read it. All ranks must run the same modules in the same order (as in
+    any ZeRO-3): every gather is a collective."""
+
     def __init__(self, model: nn.Module, units: list[FlatUnit], needs: dict[nn.Module, list[FlatUnit]],
                  coll: UnitCollectives, persistence_threshold: int, prefetch_elems: int,
                  max_reuse_distance: int, max_live_elems: int) -> None:
-        self.units, self.needs, self.coll = units, needs, coll
+        self.root = model
+        self.units, self.coll = units, coll
+        self.needs = {m: list(us) for m, us in needs.items()}
+        self.needs.setdefault(model, [])
         self.prefetch_elems = prefetch_elems
         self.max_reuse = max_reuse_distance
         self.max_live = max_live_elems
+        self._unit_of = {id(p): u for u in units for p in u.params}
+        self._names = {id(p): n for u in units for n, p in zip(u.names, u.params)}
         self._inflight: dict[int, object] = {}
-        self._holds: dict[int, int] = {u.index: 0 for u in units}
+        self._holds: dict[int, int] = {u.index: 0 for u in units}  # forward calls in flight holding it
+        self._ctx_holds: dict[int, int] = {u.index: 0 for u in units}  # gathered() blocks
         self._bwd_held: set[int] = set()
         self._bwd_users: dict[int, int] = {}  # unit -> modules still to run their backward with it
-        self._calls: dict[nn.Module, list[dict]] = {}  # per module: forward invocations in flight
+        self._calls: dict[nn.Module, list[_Call]] = {}  # per module: forward invocations in flight
+        self._stack: list[_Call] = []  # forward invocations in flight, innermost last
+        self._mode: ExternalReads | None = None
         self._trace: list[int] = []          # recorded unit order of the last complete step
         self._recording: list[int] = []
         self._trace_fwd_len = 0              # trace entries before backward began
@@ -61,6 +93,7 @@ class ParamCoordinator:
         self._valid = False
         self._keep_spans: dict[int, list[tuple[int, int]]] = {}  # unit -> (use, next use) to bridge
         self.gather_time = 0.0
+        self.external_found: list[tuple[str, str]] = []  # (module, parameter) found reading outside its owner
         self._hooks = []
         for u in units:
             if u.numel <= persistence_threshold:
@@ -70,9 +103,29 @@ class ParamCoordinator:
                 self._gather_now(u)
             else:
                 u.free_full()
-        for mod in needs:
-            self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(mod.register_forward_hook(self._post_forward))
+        for mod in list(self.needs):
+            self._hook(mod)
+        for mod in model.modules():
+            for p in external_parameters(mod):
+                self.add_external(mod, p)
+
+    def _hook(self, mod: nn.Module) -> None:
+        self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
+        # always_call: a forward cut short (an exception, or non-reentrant checkpointing stopping
+        # its recomputation early) still lets go of what it held
+        self._hooks.append(mod.register_forward_hook(self._post_forward, always_call=True))
+
+    def add_external(self, mod: nn.Module, param: nn.Parameter) -> None:
+        """Gather ``param``'s unit whenever ``mod`` runs (forward and backward)."""
+        u = self._unit_of.get(id(param))
+        if u is None:
+            raise ValueError(f"register_external_parameter: module '{_module_name(self.root, mod)}' declares a "
+                             f"parameter of shape {tuple(param.shape)} that is not one of the model's parameters")
+        if mod not in self.needs:
+            self.needs[mod] = []
+            self._hook(mod)
+        if u not in self.needs[mod]:
+            self.needs[mod].append(u)
 
     # -- gathering ----------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
@@ -92,27 +145,32 @@ class ParamCoordinator:
         self._start_gather(u)
         self._wait(u)
 
+    def _held(self, u: FlatUnit) -> bool:
+        return u.persistent or self._holds[u.index] > 0 or self._ctx_holds[u.index] > 0 or u.index in self._bwd_held
+
     def _release(self, u: FlatUnit) -> None:
-        if u.persistent or self._holds[u.index] > 0 or u.index in self._bwd_held:
+        if self._held(u):
             return
         if self._valid and any(q < self._pos <= p for q, p in self._keep_spans.get(u.index, ())):
             return
         self._wait(u)
         u.free_full()
 
-    def _request(self, units: list[FlatUnit]) -> None:
-        """Record, prefetch, then make sure ``units`` are gathered."""
-        for u in units:
-            if u.persistent:
-                continue
+    def _request(self, units: list[FlatUnit], record: bool = True) -> None:
+        """Record, prefetch, then make sure ``units`` are gathered. Passes that are not
+        training (``model.eval()``: evaluation, generation) leave the trace alone."""
+        if record:
+            for u in units:
+                if u.persistent:
+                    continue
+                if self._valid:
+                    if self._pos < len(self._trace) and self._trace[self._pos] == u.index:
+                        self._pos += 1
+                    else:
+                        self._valid = False  # execution departed from the trace
+                self._recording.append(u.index)
             if self._valid:
-                if self._pos < len(self._trace) and self._trace[self._pos] == u.index:
-                    self._pos += 1
-                else:
-                    self._valid = False  # execution departed from the trace
-            self._recording.append(u.index)
-        if self._valid:
-            self._prefetch()
+                self._prefetch()
         for u in units:
             self._start_gather(u)
         for u in units:
@@ -134,36 +192,48 @@ class ParamCoordinator:
 
     # -- module hooks ---------------------------------------------------------------------
     def _pre_forward(self, mod: nn.Module, args) -> None:
-        units = self.needs[mod]
-        self._request(units)
-        for u in units:
+        call = _Call(mod, list(self.needs[mod]))
+        self._request(call.units, record=self.root.training)
+        for u in call.units:
             self._holds[u.index] += 1
-        call = {"asked": False, "done": False}
         self._calls.setdefault(mod, []).append(call)
+        self._stack.append(call)
+        if self._mode is None:  # the outermost hooked call watches for external reads
+            self._mode = ExternalReads(set(self._unit_of), self._on_external_read)
+            self._mode.__enter__()
         if torch.is_grad_enabled() and not isinstance(mod, nn.Embedding):
             # the gradient of an input is complete only after this module's backward ran
             for t in _tensors(args):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, units=units, call=call: self._post_backward(units, call))
+                    t.register_hook(lambda grad, call=call: self._post_backward(call))
 
     def _post_forward(self, mod: nn.Module, args, output):
-        units = self.needs[mod]
-        call = self._calls[mod].pop()
-        for u in units:
+        calls = self._calls.get(mod)
+        if not calls:
+            return output
+        call = calls.pop()
+        if self._stack and self._stack[-1] is call:
+            self._stack.pop()
+        else:
+            self._stack = [c for c in self._stack if c is not call]
+        if not self._stack and self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        for u in call.units:
             self._holds[u.index] -= 1
-        for u in units:
+        for u in call.units:
             self._release(u)
-        if torch.is_grad_enabled() and not isinstance(mod, nn.Embedding):  # see the module docstring
-
+        if output is not None and torch.is_grad_enabled() and not isinstance(mod, nn.Embedding):
+            # (see the module docstring)
             def pre_backward(grad: torch.Tensor) -> None:
-                if call["asked"]:
+                if call.asked:
                     return
-                call["asked"] = True
-                fresh = [u for u in units if u.index not in self._bwd_held]
+                call.asked = True
+                fresh = [u for u in call.units if u.index not in self._bwd_held]
                 if fresh:
-                    self._request(fresh)
+                    self._request(fresh, record=self.root.training)
                     self._bwd_held.update(u.index for u in fresh)
-                for u in units:
+                for u in call.units:
                     self._bwd_users[u.index] = self._bwd_users.get(u.index, 0) + 1
 
             for t in _tensors(output):
@@ -171,13 +241,34 @@ class ParamCoordinator:
                     t.register_hook(pre_backward)
         return output
 
-    def _post_backward(self, units: list[FlatUnit], call: dict) -> None:
+    def _on_external_read(self, param: nn.Parameter) -> None:
+        """A torch function got ``param`` while no running module holds its unit: gather it
+        now (every rank runs the same forward, so every rank gathers here too) and gather
+        it with the innermost running module from now on."""
+        u = self._unit_of[id(param)]
+        if self._held(u) or not self._stack:
+            return
+        call = self._stack[-1]
+        if u not in self.needs[call.module]:
+            self.needs[call.module].append(u)
+            where = _module_name(self.root, call.module)
+            self.external_found.append((where, self._names[id(param)]))
+            log.info("ZeRO-3: parameter '%s' is read in the forward of '%s', which does not own it; it is "
+                     "gathered with that module from now on (declare it with "
+                     "zeal.zero.register_external_parameter(module, param) to say so up front)",
+                     self._names[id(param)], where)
+        if u not in call.units:
+            call.units.append(u)
+            self._holds[u.index] += 1
+            self._request([u], record=self.root.training)
+
+    def _post_backward(self, call: _Call) -> None:
         """The module of ``call`` finished its backward: units no other pending backward
         needs may go, before their gradients are even complete."""
-        if not call["asked"] or call["done"]:
+        if not call.asked or call.done:
             return
-        call["done"] = True
-        for u in units:
+        call.done = True
+        for u in call.units:
             if u.index not in self._bwd_users:  # its gradients were already taken
                 continue
             left = self._bwd_users[u.index] = self._bwd_users[u.index] - 1
@@ -204,6 +295,10 @@ class ParamCoordinator:
         for idx in list(self._bwd_held):
             self._bwd_held.discard(idx)
             self._release(self.units[idx])
+        for u in self.units:  # prefetched for a use that did not come: nothing is in flight at the step
+            if u.index in self._inflight:
+                self._wait(u)
+                self._release(u)
 
     def end_step(self) -> None:
         """Close the trace of this step and release everything not persistent."""
@@ -218,9 +313,11 @@ class ParamCoordinator:
         self._bwd_held.clear()
         self._bwd_users.clear()
         self._calls.clear()
+        self._stack.clear()
         for u in self.units:
             self._wait(u)
-            if not u.persistent and self._holds[u.index] == 0:
+            self._holds[u.index] = 0  # no forward spans a step: the shards have changed under any copy
+            if not u.persistent and self._ctx_holds[u.index] == 0:
                 u.free_full()
 
     def refresh_persistent(self, frozen_too: bool = False) -> None:
@@ -255,19 +352,28 @@ class ParamCoordinator:
             self._start_gather(u)
         for u in self.units:
             self._wait(u)
-            self._holds[u.index] += 1
+            self._ctx_holds[u.index] += 1
         try:
             yield
         finally:
             for u in self.units:
-                self._holds[u.index] -= 1
-                if not u.persistent and self._holds[u.index] == 0:
-                    u.free_full()
+                self._ctx_holds[u.index] -= 1
+                self._release(u)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+
+def _module_name(root: nn.Module, mod: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is mod:
+            return name or type(root).__name__
+    return type(mod).__name__
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:
