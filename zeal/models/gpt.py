@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, run_blocks
+
 
 @dataclass
 class GPTConfig:
@@ -94,10 +96,11 @@ class _Trunk(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
 
-class GPT(nn.Module):
+class GPT(nn.Module, Checkpointable):
     """GPT-2 style decoder. ``forward(input_ids, labels=None)`` returns logits, or the
     mean next-token cross-entropy when ``labels`` is given (labels are the inputs;
-    the shift happens inside; ``-100`` is ignored)."""
+    the shift happens inside; ``-100`` is ignored). ``checkpoint_activations = True``
+    (or ``gradient_checkpointing_enable()``) recomputes each block in backward."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -105,6 +108,7 @@ class GPT(nn.Module):
         self.transformer = _Trunk(cfg)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied
+        self.checkpoint_policy = CheckpointPolicy()
         if not any(p.is_meta for p in self.parameters()):
             self.apply(self._init_weights)
 
@@ -122,14 +126,17 @@ class GPT(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
+    def layer_stack(self) -> nn.ModuleList:
+        """The transformer blocks (what activation checkpointing groups)."""
+        return self.transformer.h
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         t = input_ids.shape[1]
         if t > self.config.n_positions:
             raise ValueError(f"sequence length {t} exceeds model.n_positions {self.config.n_positions}")
         pos = torch.arange(t, device=input_ids.device)
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        x = run_blocks(self.transformer.h, x, self.checkpoint_policy)
         logits = self.lm_head(self.transformer.ln_f(x))
         if labels is None:
             return logits

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, run_blocks
+
 # attn(layer_idx, q (T, n_head, hd), k (T, n_kv, hd), v (T, n_kv, hd)) -> (T, n_head, hd)
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -176,28 +178,42 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # what ``attn`` is told (the paged KV cache is per layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """One decoder layer over a flat batch: x (T, d); cos/sin (T, 1, hd)."""
+        t, a = x.shape[0], self.self_attn
+        h = self.input_layernorm(x)
+        q = apply_rope(a.q_proj(h).view(t, a.nh, a.hd), cos, sin)
+        k = apply_rope(a.k_proj(h).view(t, a.nkv, a.hd), cos, sin)
+        v = a.v_proj(h).view(t, a.nkv, a.hd)
+        x = x + a.o_proj(attn(self.layer_idx, q, k, v).reshape(t, a.nh * a.hd))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _LlamaTrunk(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Llama(nn.Module):
+class Llama(nn.Module, Checkpointable):
     """Llama-family causal LM over a flat token batch.
 
     ``forward(input_ids (T,), positions (T,), attn, logits_index=None)`` returns
     logits ``(T', vocab)`` for the rows picked by ``logits_index`` (all rows when
     None), so that a serving step projects only the tokens it samples from.
+    ``checkpoint_activations = True`` recomputes each layer in backward (training
+    forwards only: ``attn`` then runs twice per layer, so it must have no side
+    effects, as :func:`dense_causal_attention` has none).
     """
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -208,6 +224,11 @@ class Llama(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.checkpoint_policy = CheckpointPolicy()
+
+    def layer_stack(self) -> nn.ModuleList:
+        """The decoder layers (what activation checkpointing groups)."""
+        return self.model.layers
 
     @property
     def num_kv_heads(self) -> int:
@@ -245,15 +266,7 @@ class Llama(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, hd)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        t = input_ids.shape[0]
-        for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = apply_rope(a.q_proj(h).view(t, a.nh, a.hd), cos, sin)
-            k = apply_rope(a.k_proj(h).view(t, a.nkv, a.hd), cos, sin)
-            v = a.v_proj(h).view(t, a.nkv, a.hd)
-            x = x + a.o_proj(attn(i, q, k, v).reshape(t, a.nh * a.hd))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = run_blocks(self.model.layers, x, self.checkpoint_policy, cos, sin, attn)
         if logits_index is not None:
             x = x[logits_index]
         return self.lm_head(self.model.norm(x))

@@ -28,6 +28,7 @@ from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.comm import Comm
 from zeal.dist.context import init_distributed
 from zeal.precision.loss_scaler import LossScaler
+from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.lr_schedules import build_scheduler
 from zeal.zero.grad_sync import GradReducer
@@ -90,6 +91,7 @@ def initialize(
         with torch.device("meta"):
             model = model()
     init = init_fn or default_init_fn(model)
+    apply_activation_checkpointing(model, cfg.activation_checkpointing)
 
     # 3. precision
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else torch.float32

@@ -1,0 +1,185 @@
+"""Activation checkpointing for zeal's models: which blocks recompute in backward, and how.
+
+A model that mixes in :class:`Checkpointable` holds one :class:`CheckpointPolicy`
+and runs its layer stack through :func:`run_blocks`. With the policy on, and only
+in a training forward with grad enabled, each group of ``every`` consecutive
+blocks runs under ``torch.utils.checkpoint.checkpoint``: the group's input is
+saved, the activations inside it are dropped and recomputed when backward reaches
+the group. Activation memory goes from every block's interior to one boundary
+tensor per group plus one group's interior during its backward, for one more
+forward of the blocks. Serving (grad off) and evaluation never checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger("zeal")
+_said: set[str] = set()
+
+
+def _log_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.info(msg)
+
+
+@dataclass
+class RecomputeCounter:
+    """Totals of the recomputation done in backward (filled only with ``profile`` on)."""
+
+    recompute_s: float = 0.0
+    num_recomputes: int = 0
+    _logged: int = field(default=0, repr=False)
+
+    def add(self, seconds: float) -> None:
+        self.recompute_s += seconds
+        self.num_recomputes += 1
+
+    def reset(self) -> None:
+        self.recompute_s, self.num_recomputes, self._logged = 0.0, 0, 0
+
+    def log_new(self) -> None:
+        """Log the totals at debug level if groups were recomputed since the last call."""
+        if self.num_recomputes > self._logged:
+            self._logged = self.num_recomputes
+            log.debug("activation checkpointing: %d group recomputations, %.4f s in total",
+                      self.num_recomputes, self.recompute_s)
+
+
+@dataclass
+class CheckpointPolicy:
+    """How a layer stack checkpoints. ``every``: blocks per checkpointed group (the last
+    group may be shorter); ``cpu_checkpointing``: keep the group inputs in pinned CPU
+    memory (CUDA only); ``profile``: time recomputation into ``counter``."""
+
+    enabled: bool = False
+    every: int = 1
+    cpu_checkpointing: bool = False
+    profile: bool = False
+    use_reentrant: bool = False
+    counter: RecomputeCounter = field(default_factory=RecomputeCounter, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"checkpoint policy: every must be >= 1, got {self.every}")
+
+
+def blocks_per_checkpoint(n_blocks: int, number_checkpoints: int | None) -> int:
+    """DeepSpeed's ``number_checkpoints`` (checkpoints over the whole stack) as blocks
+    per group: ``ceil(n_blocks / number_checkpoints)``; None = every block."""
+    if not number_checkpoints or n_blocks <= 0:
+        return 1
+    return max(1, -(-n_blocks // number_checkpoints))
+
+
+def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointPolicy,
+               *extra: object) -> torch.Tensor:
+    """``x = block(x, *extra)`` for each block in order, checkpointed as ``policy`` says
+    when grad is enabled and the blocks are training; otherwise a plain loop."""
+    blocks = list(blocks)
+    if not (policy.enabled and torch.is_grad_enabled() and any(b.training for b in blocks)):
+        for b in blocks:
+            x = b(x, *extra)
+        return x
+    if policy.profile:
+        policy.counter.log_new()  # what the previous backward recomputed
+    for start in range(0, len(blocks), policy.every):
+        fn = _group(blocks[start:start + policy.every])
+        if policy.profile:
+            fn = _timed(fn, policy.counter, sync=x.is_cuda)
+        with _boundary_storage(policy, x):
+            x = checkpoint(fn, x, *extra, use_reentrant=policy.use_reentrant)
+    return x
+
+
+def _group(group: list[nn.Module]) -> Callable[..., torch.Tensor]:
+    def run(x: torch.Tensor, *extra: object) -> torch.Tensor:
+        for b in group:
+            x = b(x, *extra)
+        return x
+
+    return run
+
+
+def _timed(fn: Callable[..., torch.Tensor], counter: RecomputeCounter, sync: bool) -> Callable[..., torch.Tensor]:
+    """``fn`` whose calls after the first (the recomputations in backward) add their wall
+    time to ``counter``. A recomputation may stop early by raising (torch's early stop
+    once every saved tensor is back), hence the ``finally``."""
+    calls = 0
+
+    def run(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return fn(*args)
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if sync:
+                torch.cuda.synchronize()
+            counter.add(time.perf_counter() - t0)
+
+    return run
+
+
+def _boundary_storage(policy: CheckpointPolicy, x: torch.Tensor) -> contextlib.AbstractContextManager:
+    # checkpoint saves its inputs through the saved-tensor hooks active around the call
+    # (its own hooks take over inside), so save_on_cpu here moves only the group inputs
+    if not policy.cpu_checkpointing:
+        return contextlib.nullcontext()
+    if not x.is_cuda:
+        _log_once("activation_checkpointing.cpu_checkpointing: the activations are already in CPU memory; "
+                  "no effect on a CPU device")
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+class Checkpointable:
+    """Mixed into a zeal model (an ``nn.Module`` that sets ``self.checkpoint_policy`` in
+    ``__init__`` and runs ``layer_stack()`` through :func:`run_blocks`). Gives the
+    ``checkpoint_activations`` flag and Hugging Face's enable/disable methods."""
+
+    checkpoint_policy: CheckpointPolicy
+
+    def layer_stack(self) -> nn.ModuleList:
+        """The blocks that checkpointing groups (override in the model)."""
+        raise NotImplementedError
+
+    @property
+    def checkpoint_activations(self) -> bool:
+        """Whether a training forward checkpoints the layer stack."""
+        return self.checkpoint_policy.enabled
+
+    @checkpoint_activations.setter
+    def checkpoint_activations(self, on: bool) -> None:
+        self.checkpoint_policy.enabled = bool(on)
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Hugging Face's name for :attr:`checkpoint_activations`."""
+        return self.checkpoint_policy.enabled
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Turn checkpointing on, Hugging Face style; the only kwarg is ``use_reentrant``."""
+        kwargs = dict(gradient_checkpointing_kwargs or {})
+        use_reentrant = kwargs.pop("use_reentrant", False)
+        if kwargs:
+            raise ValueError(f"gradient_checkpointing_kwargs {sorted(kwargs)}: zeal's models take only use_reentrant")
+        self.checkpoint_policy.use_reentrant = bool(use_reentrant)
+        self.checkpoint_policy.enabled = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Turn checkpointing off."""
+        self.checkpoint_policy.enabled = False
