@@ -18,6 +18,8 @@ def load_gpt():
     """zeal's GPT module loaded from its file, so every environment trains exactly the
     same model code. Returns (GPT, GPTConfig)."""
     path = REPO / "zeal" / "models" / "gpt.py"
+    if str(REPO) not in sys.path:  # gpt.py imports zeal.models.checkpointing
+        sys.path.insert(0, str(REPO))
     spec = importlib.util.spec_from_file_location("_bench_gpt", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["_bench_gpt"] = mod

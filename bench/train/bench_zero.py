@@ -73,9 +73,12 @@ def worker(spec: dict) -> None:
     torch.manual_seed(0)
     t_build = time.perf_counter()
 
+    ckpt = bool(spec.get("ckpt"))  # activation checkpointing per block (non-reentrant)
     if kind == "ddp":
         dist.init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(GPT(cfg))
+        plain = GPT(cfg)
+        plain.checkpoint_activations = ckpt
+        model = torch.nn.parallel.DistributedDataParallel(plain)
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
 
         def train_step(x):
@@ -93,6 +96,7 @@ def worker(spec: dict) -> None:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
         with torch.device("meta"):
             model = GPT(cfg)
+        model.checkpoint_activations = ckpt
         for block in model.transformer.h:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
@@ -118,6 +122,8 @@ def worker(spec: dict) -> None:
             "zero_optimization": {"stage": stage},
             "bf16": {"enabled": bf16},
         }
+        if ckpt:
+            zcfg["activation_checkpointing"] = {}
         engine = zeal.initialize((lambda: GPT(cfg)) if stage == 3 else GPT(cfg), zcfg)
 
         def train_step(x):

@@ -171,3 +171,65 @@ def test_engine_forwards_args_and_kwargs_like_deepspeed(pool):
     """Regression: ``engine(input_ids=ids, labels=ids)`` was a TypeError."""
     for values in pool.run(_kwargs_call, timeout=60):
         assert len(set(values)) == 1, values
+
+
+def _declared_external(rank, world):
+    import zeal
+    from zeal.zero import register_external_parameter
+
+    torch.manual_seed(0)
+    spec = {**BASE, "tie": "outside", "ckpt": "none"}
+    model = AnyNet(spec)
+    register_external_parameter(model, model.emb.weight)  # DeepSpeed's spelling, before initialize
+    engine = zeal.initialize(model, _config(3))
+    losses = []
+    for per_rank in batches(STEPS, world, MICRO):
+        x, y = per_rank[rank]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    found = list(engine._p.coordinator.external_found)
+    engine.close()
+    stranger = torch.nn.Parameter(torch.zeros(3))
+    model2 = AnyNet(spec)
+    register_external_parameter(model2.blocks[0], stranger)
+    try:
+        zeal.initialize(model2, _config(3))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {3: losses}, found, error
+
+
+@pytest.mark.timeout(120)
+def test_register_external_parameter_is_honoured_and_checked(pool):
+    """A declared external parameter is gathered from the first step (nothing left to
+    find during the forward); declaring a parameter the model does not have is an
+    error naming the module that declared it."""
+    spec = {**BASE, "tie": "outside", "ckpt": "none"}
+    want = reference_losses(spec, STEPS, WORLD, MICRO, LR)
+    results = pool.run(_declared_external, timeout=90)
+    assert_matches(global_losses([r[0] for r in results], 3, spec), want, "stage 3, declared")
+    for _, found, error in results:
+        assert found == []
+        assert error is not None and "'blocks.0'" in error and "not one of the model's parameters" in error
+
+
+def _found_external(rank, world):
+    import zeal
+
+    torch.manual_seed(0)
+    engine = zeal.initialize(AnyNet({**BASE, "tie": "outside", "ckpt": "none"}), _config(3))
+    x, y = batches(1, world, MICRO)[0][rank]
+    engine.backward(engine(x, y))
+    engine.step()
+    found = list(engine._p.coordinator.external_found)
+    engine.close()
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_a_read_outside_the_owner_is_reported_with_both_names(pool):
+    for found in pool.run(_found_external, timeout=60):
+        assert found == [("AnyNet", "emb.weight")]
