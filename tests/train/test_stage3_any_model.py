@@ -233,3 +233,29 @@ def _found_external(rank, world):
 def test_a_read_outside_the_owner_is_reported_with_both_names(pool):
     for found in pool.run(_found_external, timeout=60):
         assert found == [("AnyNet", "emb.weight")]
+
+
+def _state_dict_outside(rank, world):
+    import zeal
+
+    torch.manual_seed(0)
+    engine = zeal.initialize(AnyNet({**BASE, "tie": "module", "ckpt": "none"}), _config(3))
+    try:
+        engine.module.state_dict()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    with engine.gathered_parameters():
+        inside = sorted(engine.module.state_dict())
+    full = engine.module_state_dict()
+    engine.close()
+    return error, inside, sorted(full)
+
+
+@pytest.mark.timeout(120)
+def test_state_dict_of_a_partitioned_model_is_an_error_naming_a_parameter(pool):
+    """Unsupported: reading partitioned tensors outside a gathered block (their storage
+    is released; reading it would crash). ``state_dict()`` says so and names the way out."""
+    for error, inside, full in pool.run(_state_dict_outside, timeout=60):
+        assert error is not None and "emb.weight" in error and "gathered_parameters" in error
+        assert inside == full and "head.weight" in full

@@ -105,6 +105,7 @@ class ParamCoordinator:
                 u.free_full()
         for mod in list(self.needs):
             self._hook(mod)
+        self._hooks.append(model.register_state_dict_pre_hook(self._check_state_dict))
         for mod in model.modules():
             for p in external_parameters(mod):
                 self.add_external(mod, p)
@@ -126,6 +127,16 @@ class ParamCoordinator:
             self._hook(mod)
         if u not in self.needs[mod]:
             self.needs[mod].append(u)
+
+    def _check_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """The tensors of a released unit have no storage: reading them would crash the
+        process, so ``state_dict()`` outside a gathered block is an error that says so."""
+        for u in self.units:
+            if not u.gathered:
+                raise RuntimeError(
+                    f"state_dict() of a ZeRO-3 model while its parameters are partitioned ('{u.names[0]}' "
+                    "is not gathered here): call engine.module_state_dict() on every rank, or call it "
+                    "inside `with engine.gathered_parameters():`")
 
     # -- gathering ----------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
