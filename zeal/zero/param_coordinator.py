@@ -130,7 +130,10 @@ class ParamCoordinator:
 
     def _check_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         """The tensors of a released unit have no storage: reading them would crash the
-        process, so ``state_dict()`` outside a gathered block is an error that says so."""
+        process, so ``state_dict()`` outside a gathered block is an error that says so
+        (``keep_vars=True`` hands out the parameters themselves, to list names and shapes)."""
+        if keep_vars:
+            return
         for u in self.units:
             if not u.gathered:
                 raise RuntimeError(
