@@ -10,12 +10,17 @@ from hypothesis import strategies as st
 
 from zeal.cli.main import main
 from zeal.models import GPT, GPTConfig
+from zeal.zero import estimate
 from zeal.zero.estimate import (
     ModelShape,
     activation_bytes,
+    activation_parts,
     all_plans,
+    block_saved_bytes,
+    candidate_plans,
     gpt_shape,
     hf_shape,
+    micro_batch_choices,
     model_state_bytes,
     parse_bytes,
     plan,
@@ -73,21 +78,96 @@ def test_hf_shape_counts_transformers_models():
 
 
 def test_activations_formula():
+    """Kept + transient, term by term (the old formula had no fp32 copy of bf16 logits, no
+    LayerNorm/attention statistics and no block backward; it was the activation part of the bug)."""
     shape = ModelShape(0, n_layer=2, hidden=8, n_head=2, vocab_size=10, intermediate=32, largest_layer_params=0)
-    s, b = 4, 3
-    per_layer = (8 * 8 + 2 * 32) * s * b * 2  # 16·sbh values for a GPT-2 block, 2 bytes each
-    head = s * b * 10 * (2 + 8) + 3 * s * b * 8 * 2
-    assert activation_bytes(shape, b, s) == 2 * per_layer + head
-    assert activation_bytes(shape, b, s, flash_attention=False) == 2 * (per_layer + 2 * s * s * b * 2) + head
-    ckpt = activation_bytes(shape, b, s, checkpointing=True)
-    assert ckpt == 2 * s * b * 8 * 2 + per_layer + head
+    s, b, c = 4, 3, 2
+    block = (8 * 8 + 2 * 32 + 4) * s * b * c + 4 * 2 * s * b  # values in bf16, log-sum-exp in fp32
+    assert block_saved_bytes(shape, b, s, c) == block
+    assert block_saved_bytes(shape, b, s, c, flash_attention=False) == block + 2 * s * s * b * c
+    head_kept = 2 * s * b * 8 * c + 4 * s * b * 10
+    loss = s * b * 10 * (2 * c + 4)  # logits, shifted copy, fp32 copy
+    assert activation_parts(shape, b, s, c) == (2 * block + head_kept, loss)
+    kept, transient = activation_parts(shape, b, s, c, checkpointing=True)
+    assert kept == 2 * s * b * 8 * c + head_kept  # block inputs only
+    backward = block + 2 * s * b * 32 * c + 10 * 8 * c  # recomputed block, MLP gradients, tied embedding gradient
+    assert transient == max(loss, backward - head_kept)
+    assert activation_bytes(shape, b, s, c, checkpointing=True) == kept + transient
+
+
+def test_block_constant_is_what_autograd_saves():
+    """block_saved_bytes equals the storages saved_tensors_hooks sees in one zeal GPT block."""
+    import torch
+
+    b, s, h, n_head = 2, 16, 32, 4
+    for dtype, c in ((torch.float32, 4), (torch.bfloat16, 2)):
+        model = GPT(GPTConfig(vocab_size=64, n_positions=s, n_embd=h, n_layer=1, n_head=n_head)).to(dtype)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t, seen=seen, params=params):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(b, s, h, dtype=dtype, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.transformer.h[0](x)
+        shape = gpt_shape(1, h, n_head, 64, s)
+        assert sum(seen.values()) == block_saved_bytes(shape, b, s, c), dtype
+
+
+def test_checkpointing_and_precision():
+    shape = gpt_shape(12, 768, 12, 4096, 1024)  # 12 layers, small vocabulary: blocks dominate
+    off, on = (activation_bytes(shape, 4, 1024, 2, checkpointing=ck) for ck in (False, True))
+    assert off >= 3 * on
+    # with GPT-2's vocabulary the loss (12 bytes per b·s·V, not checkpointed) keeps the ratio below 3
+    gpt2 = gpt_shape(12, 768, 12, 50257, 1024)
+    assert activation_bytes(gpt2, 4, 1024, 2) < 3 * activation_bytes(gpt2, 4, 1024, 2, checkpointing=True)
+    # bf16 halves the values; the attention log-sum-exp stays fp32, and so does the loss's transient
+    lse = 4 * 12 * 1024 * 4
+    assert block_saved_bytes(shape, 4, 1024, 2) - lse == (block_saved_bytes(shape, 4, 1024, 4) - lse) // 2
+    assert activation_parts(gpt2, 4, 1024, 2)[1] == activation_parts(gpt2, 4, 1024, 4)[1] == 8 * 4 * 1024 * 50257
+
+
+def test_working_parts_per_stage():
+    shape = gpt_shape(8, 512, 8, 4096, 256)
+    p = {s: plan(shape, 2, s, micro_batch=8, seq_len=256, mixed_precision=False) for s in range(4)}
+    assert p[0].grad_buffers == p[1].grad_buffers == 0 < p[2].grad_buffers
+    assert p[3].gathered > 0 == p[2].gathered
+    assert p[0].step_temporaries == 0  # fp32 updates from the reduced buffer
+    assert p[1].step_temporaries == 4 * -(-shape.num_params // 2)  # the reduce-scatter output
+    bf = plan(shape, 2, 0, mixed_precision=True)
+    assert bf.step_temporaries == 4 * shape.num_params  # fp32 copy of the whole gradient
+    assert p[0].slack == estimate.HOST_HEAP_SLACK_BYTES and p[3].slack == 0
+    tiny = gpt_shape(2, 64, 2, 256, 32)  # a step that frees less than the measured slack is charged that
+    small = plan(tiny, 2, 0, micro_batch=1, seq_len=32, mixed_precision=False)
+    assert small.slack == small.activations + 4 * tiny.num_params < estimate.HOST_HEAP_SLACK_BYTES
+    gpu = plan(shape, 2, 0, micro_batch=8, seq_len=256, mixed_precision=False, host=False)
+    assert gpu.baseline == gpu.slack == 0
+    assert p[0].device - gpu.device == estimate.HOST_BASELINE_BYTES + estimate.HOST_HEAP_SLACK_BYTES
+    for q in p.values():
+        fwd = q.activations + q.grad_buffers + q.gathered
+        assert q.device == q.baseline + q.slack + q.states.total + max(fwd, q.step_temporaries + q.grad_buffers)
+
+
+def test_planner_defaults_follow_zeal():
+    from zeal.config.schema import ZeroConfig
+    from zeal.zero.units import COALESCE_BLOCK_ELEMS
+
+    zc = ZeroConfig()
+    assert estimate.BUCKET_ELEMS == zc.reduce_bucket_size
+    assert estimate.PREFETCH_ELEMS == zc.stage3_prefetch_bucket_size
+    assert estimate.COALESCE_BLOCK_ELEMS == COALESCE_BLOCK_ELEMS
 
 
 def test_offload_moves_bytes_and_invalid_combinations_fail():
     shape = gpt_shape(4, 128, 4, 4096, 128)
     base = plan(shape, 4, 3)
     cpu = plan(shape, 4, 3, "cpu_optimizer")
-    assert cpu.device == base.device - base.states.optimizer and cpu.cpu == base.states.optimizer
+    # the step (and its fp32 gradient copy) runs where the optimizer state is
+    assert cpu.device == base.device - base.states.optimizer
+    assert cpu.cpu == base.states.optimizer + base.step_temporaries
     nvme = plan(shape, 4, 3, "nvme_params")
     assert nvme.nvme == base.states.optimizer + base.states.params
     assert nvme.device == base.device - nvme.nvme
@@ -109,6 +189,30 @@ def test_recommend_picks_the_cheapest_that_fits():
     assert all(p.device > s3.device for p in plans[: plans.index(tight)])
     assert recommend(plans, 1) is None
     assert recommend(plans, s3.device, cpu_budget=0).offload == "none"
+
+
+def test_budget_search():
+    shape = gpt_shape(12, 768, 12, 50257, 1024)
+    kw = dict(seq_len=1024, mixed_precision=True)
+    plans = candidate_plans(shape, 2, 8, **kw)
+    assert len(plans) == 10 * 2 * 4  # stage/offload x checkpointing x micro-batch 8, 4, 2, 1
+    assert (plans[0].stage, plans[0].checkpointing, plans[0].micro_batch) == (0, False, 8)
+    assert recommend(plans, 10**15) is plans[0]
+    # just below stage 2's micro-batch 8 without checkpointing: a smaller micro-batch, still no checkpointing
+    s2 = plan(shape, 2, 2, micro_batch=8, **kw)
+    best = recommend(plans, s2.device - 1)
+    assert not best.checkpointing and best.micro_batch < 8 and best.device < s2.device
+    # below every plan without checkpointing at micro-batch 1 in the cheapest tier: checkpointing, largest micro-batch
+    floor = min(plan(shape, 2, s, micro_batch=1, **kw).device for s in (0, 1, 2))
+    best = recommend(plans, floor - 1)
+    assert best.checkpointing and best.stage <= 2 and best.offload == "none"
+    assert best.micro_batch == max(p.micro_batch for p in plans
+                                   if p.checkpointing and p.offload == "none" and p.stage <= 2 and p.device < floor)
+    cfg = best.ds_config()
+    assert cfg["train_micro_batch_size_per_gpu"] == best.micro_batch
+    assert cfg["activation_checkpointing"] == {"number_checkpoints": 12}
+    assert "activation_checkpointing" not in plans[0].ds_config()
+    assert micro_batch_choices(8) == [8, 4, 2, 1] and micro_batch_choices(6) == [6, 4, 2, 1]
 
 
 def test_parse_bytes():
@@ -137,6 +241,12 @@ def test_estimate_command(capsys, tmp_path):
                  "--checkpointing", "--budget", "24GB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert 6.7e9 < data["params"] < 6.8e9  # Llama-2-7B
-    # 2Ψ + 2Ψ/8 ≈ 15 GB of states fits with the optimizer on CPU, which ranks before stage 3
-    assert data["recommended"] == {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    # 2Ψ + 2Ψ/8 ≈ 15 GB of states fits with the optimizer on CPU, which ranks before stage 3, once the
+    # activations (10 GB at 2048 tokens without checkpointing) are checkpointed
+    assert data["recommended"] == {"train_micro_batch_size_per_gpu": 1,
+                                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                   "activation_checkpointing": {"number_checkpoints": 32}}
+    columns = {"activations", "activations_kept", "grad_buffers", "gathered", "step_temporaries", "baseline",
+               "slack", "device", "checkpointing", "micro_batch"}
+    assert all(columns <= set(p) for p in data["plans"]) and columns <= set(data["recommended_plan"])
     assert main(["estimate", "--budget", "1KB"]) == 1

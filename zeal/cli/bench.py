@@ -3,8 +3,9 @@
 Runs a short `zeal train` job for each stage asked (same model, data and batch),
 then prints, per stage: median-free mean step time, tokens/s, peak RSS per rank,
 the growth of peak RSS over the process's size before the model was built (torch,
-gloo and the data), and the planner's per-rank estimate for model states plus
-activations, with the relative error of the estimate against that growth.
+gloo and the data), and the planner's per-rank peak estimate (model states, the
+step's working memory, the process baseline and allocator slack: `zeal estimate
+--device cpu`), with the relative error of the estimate against the peak RSS.
 Shape flags are those of `zeal train` (``--model.n_embd 512`` ...).
 """
 
@@ -55,18 +56,20 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     spec = json.loads((out / f"stage{args.stages[0]}" / "config.json").read_text())
     m, d = spec["model"], spec["data"]
     micro = spec["engine"].get("train_micro_batch_size_per_gpu") or 1
+    ckpt = spec["engine"].get("activation_checkpointing") is not None  # zeal train --checkpoint-activations
     shape = gpt_shape(m["n_layer"], m["n_embd"], m["n_head"], d["vocab_size"], d["seq_len"])
     print(f"{shape.name}, {shape.num_params / 1e6:.2f}M params, {args.nproc} ranks, micro-batch {micro} x "
           f"{d['seq_len']}, {args.steps} steps, {'bf16' if rows[0]['bf16'] else 'fp32'}")
     print(f"{'stage':<6}{'s/step':>9}{'tok/s':>10}{'peak RSS':>12}{'RSS growth':>12}{'estimate':>12}{'error':>8}")
     for r in rows:
         est = plan(shape, r["world_size"], r["zero_stage"], micro_batch=micro, seq_len=d["seq_len"],
-                   mixed_precision=r["bf16"]).device
+                   mixed_precision=r["bf16"], checkpointing=ckpt, host=True).device
         peak = max(r["peak_rss_bytes_per_rank"])
         growth = max(p - b for p, b in zip(r["peak_rss_bytes_per_rank"], r["rss_before_model_bytes_per_rank"]))
         steps = max(1, r["steps"] - r["start_step"])
         print(f"{r['zero_stage']:<6}{r['train_time_s'] / steps:>9.3f}{r['tokens_per_s']:>10.0f}"
               f"{fmt_bytes(peak):>12}{fmt_bytes(growth):>12}{fmt_bytes(est):>12}"
-              f"{(est - growth) / max(growth, 1):>+8.0%}")
-    print(f"runs in {out}; RSS growth = peak RSS - RSS before the model was built (max over ranks)")
+              f"{(est - peak) / max(peak, 1):>+8.0%}")
+    print(f"runs in {out}; RSS growth = peak RSS - RSS before the model was built (max over ranks); "
+          "error = (estimate - peak RSS) / peak RSS")
     return 0

@@ -1,8 +1,14 @@
-"""Memory planner: bytes per rank for every ZeRO stage and offload choice.
+"""Memory planner: peak bytes per rank for every ZeRO stage, offload, checkpointing and micro-batch.
 
 Pure functions of the model's shape, the world size and the precision; no torch.
 
-Accounting (ZeRO paper, algorithms.md §1.1), Ψ parameters, N data-parallel ranks:
+The peak of a rank is a sum of named parts (each a field of :class:`Plan`)::
+
+    peak = baseline + slack + model states
+           + max(activations + grad buffers + gathered,    # forward / backward
+                 step temporaries + grad buffers)           # optimizer step
+
+*Model states* (ZeRO paper, algorithms.md §1.1), Ψ parameters, N data-parallel ranks:
 
 * mixed precision (bf16/fp16 compute, Adam): 16-bit params 2Ψ, 16-bit grads 2Ψ and
   optimizer state K·Ψ with K = 12 (fp32 master copy 4 + momentum 4 + variance 4;
@@ -12,9 +18,21 @@ Accounting (ZeRO paper, algorithms.md §1.1), Ψ parameters, N data-parallel ran
   stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N, stage 3 16Ψ/N.
 
 Partitioning rounds each flat buffer up to a multiple of N (``ceil(Ψ/N)`` per rank).
-On top of model states the planner adds, per rank, the stage-3 gather working set
-(the largest layer held whole, current + prefetched) and activations (see
-``activation_bytes``). "Device" is the accelerator, or host RAM when training on CPU.
+
+*Working memory* of one step, for one micro-batch (c = bytes of the compute dtype):
+
+* activations (:func:`activation_parts`): what autograd keeps for backward, plus
+  the largest transient on top of it (the loss's logits, or one block's backward);
+* grad buffers (:func:`grad_buffer_bytes`): stages 2–3 copy gradients into flat
+  buffers that are reduce-scattered; what may be in flight is kept for reuse;
+* gathered (:func:`gathered_bytes`): stage 3's whole units at the peak;
+* step temporaries (:func:`step_temporary_bytes`): the fp32 gradient copy the
+  masters are updated from (mixed precision), stage 1's reduce-scatter output.
+
+*Process* parts, for training on CPU (host RAM is the "device"), measured with
+``bench/train/bench_estimate.py`` (torch 2.13.0+cpu, Python 3.11, glibc):
+``HOST_BASELINE_BYTES`` and, for stages 0–2, ``HOST_HEAP_SLACK_BYTES``. On a GPU
+they are 0: the CUDA context lives outside PyTorch's allocator and was not measured.
 """
 
 from __future__ import annotations
@@ -26,6 +44,26 @@ OFFLOADS = ("none", "cpu_optimizer", "nvme_optimizer", "cpu_params", "nvme_param
 """Offload choices. ``cpu_params``/``nvme_params`` (stage 3 only) move the optimizer
 state to the same tier as the parameters; ``nvme_optimizer`` is stage 3 only, as
 in ZeRO-Infinity; ``cpu_optimizer`` (ZeRO-Offload) needs stage ≥ 1."""
+
+MIB = 2**20
+# RSS of a rank before its first step, less the model's own buffers: Python, torch, zeal,
+# a 2-rank gloo group and the pages of code a step touches. Measured 304–311 MiB in every
+# rank of every bench_estimate.py job ("built" RSS minus the mmapped flat buffers).
+HOST_BASELINE_BYTES = 305 * MIB
+# Stages 0–2 leave glibc's malloc at its defaults: blocks freed in one step (activations,
+# autograd's per-parameter gradients) stay in the heap as holes the next step's tensors do
+# not all fit. mallinfo2's free heap bytes at the end of the third forward: 122–398 MiB,
+# median 195 MiB, over the ranks of the 24 stage 0–2 jobs of bench_estimate.py (27.4M and
+# 124M GPT, fp32 and bf16, checkpointing on and off); the median is counted, capped at what
+# a step frees into the heap at all (its activations and autograd's gradients, c·Ψ), so that
+# a small model is not charged more than it could leave behind. Stage 3 and the
+# NVMe tier return freed blocks at once (mmap threshold 1 MiB, zeal.zero.offload.host_memory):
+# 1–4 MiB measured, counted as 0.
+HOST_HEAP_SLACK_BYTES = 195 * MIB
+# zeal's defaults (zeal.config.schema.ZeroConfig) and zeal.zero.units.COALESCE_BLOCK_ELEMS
+BUCKET_ELEMS = 5_000_000          # reduce_bucket_size: bucket size and bound on gradients in flight
+PREFETCH_ELEMS = 1_000_000        # stage3_prefetch_bucket_size
+COALESCE_BLOCK_ELEMS = 4_000_000  # a block this small is one stage-3 unit
 
 
 @dataclass(frozen=True)
@@ -41,6 +79,8 @@ class ModelShape:
     largest_layer_params: int
     mlp_tensors: int = 2  # saved MLP activations of size `intermediate`: 2 for GELU, 4 for gated (SwiGLU)
     name: str = "model"
+    block_params: int = 0  # parameters of one transformer block (0: unknown, taken as largest_layer_params)
+    tied_embeddings: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,7 +98,9 @@ class StateBytes:
 
 @dataclass(frozen=True)
 class Plan:
-    """One (stage, offload) configuration and where its bytes live, per rank."""
+    """One (stage, offload, checkpointing, micro-batch) configuration and where its
+    bytes live, per rank. ``device`` is the peak on the device (host RAM on CPU runs);
+    ``cpu``/``nvme`` what offload moved there."""
 
     stage: int
     offload: str
@@ -68,14 +110,28 @@ class Plan:
     device: int
     cpu: int
     nvme: int
+    micro_batch: int = 1
+    checkpointing: bool = False
+    activations_kept: int = 0
+    grad_buffers: int = 0
+    step_temporaries: int = 0
+    baseline: int = 0
+    slack: int = 0
+    n_layer: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
         return f"stage {self.stage}" + ("" if self.offload == "none" else f" + {self.offload.replace('_', ' ')}")
 
+    @property
+    def description(self) -> str:
+        """The label with checkpointing and micro-batch."""
+        return f"{self.label}{', checkpointing' if self.checkpointing else ''}, micro-batch {self.micro_batch}"
+
     def ds_config(self) -> dict:
-        """The DeepSpeed/zeal ``zero_optimization`` section for this plan."""
+        """The DeepSpeed/zeal config sections this plan sets: ``train_micro_batch_size_per_gpu``,
+        ``zero_optimization`` and, with checkpointing, ``activation_checkpointing``."""
         zo: dict = {"stage": self.stage}
         if self.offload in ("cpu_optimizer", "cpu_params"):
             zo["offload_optimizer"] = {"device": "cpu"}
@@ -85,7 +141,10 @@ class Plan:
             zo["offload_param"] = {"device": "cpu"}
         if self.offload == "nvme_params":
             zo["offload_param"] = {"device": "nvme", "nvme_path": "/local_nvme"}
-        return {"zero_optimization": zo}
+        cfg: dict = {"train_micro_batch_size_per_gpu": self.micro_batch, "zero_optimization": zo}
+        if self.checkpointing:  # one checkpoint per block, as the activation formula assumes
+            cfg["activation_checkpointing"] = {"number_checkpoints": self.n_layer} if self.n_layer else {}
+        return cfg
 
 
 def shard(n: int, world_size: int) -> int:
@@ -112,71 +171,192 @@ def model_state_bytes(num_params: int, world_size: int, stage: int, mixed_precis
     )
 
 
+def block_saved_bytes(shape: ModelShape, micro_batch: int, seq_len: int, bytes_per_value: int = 2,
+                      flash_attention: bool = True) -> int:
+    """Bytes autograd saves in one pre-LayerNorm block's forward (storages counted once).
+
+    Measured with ``saved_tensors_hooks`` on zeal's GPT (``bench_estimate.py
+    --saved-tensors``), in fp32 and bf16 alike: 8·bsh values (LN inputs and outputs 4,
+    q/k/v 3 in one storage, attention output 1, which is also the projection's input)
+    plus ``mlp_tensors``·bs·intermediate (GELU input and output), all in the compute
+    dtype; the two LayerNorms' mean and rstd (4·bs values) and the fused attention's
+    log-sum-exp (heads·bs, fp32). Unfused attention adds heads·s²·b probabilities.
+    """
+    s, b, h, c = seq_len, micro_batch, shape.hidden, bytes_per_value
+    values = (8 * h + shape.mlp_tensors * shape.intermediate + 4) * s * b
+    if not flash_attention:
+        values += shape.n_head * s * s * b
+    return values * c + 4 * shape.n_head * s * b
+
+
+def activation_parts(shape: ModelShape, micro_batch: int, seq_len: int, bytes_per_value: int = 2,
+                     flash_attention: bool = True, checkpointing: bool = False) -> tuple[int, int]:
+    """(kept, transient) activation bytes of one micro-batch, per rank.
+
+    *kept*: what autograd holds once the forward is done: every block's saved tensors
+    (:func:`block_saved_bytes`) or, with per-block checkpointing, each block's input
+    (bsh); plus the head's: the final LN's and the LM head's inputs (2·bsh) and the fp32
+    log-softmax of the loss (4·bsV bytes).
+
+    *transient*: the larger of two moments on top of that. At the loss: the logits
+    (bsV in the compute dtype), their shifted copy (idem) and, for 16-bit compute, their
+    fp32 copy: 8 bytes per b·s·V in fp32 and bf16 alike (log-softmax's backward needs as
+    much: its output, its gradient and its input's gradient). In a block's backward,
+    once the loss is done with: the block's recomputed saved tensors (checkpointing only),
+    two intermediate-wide gradients, and a tied embedding's gradient (V·h, held from the
+    head's backward until the embedding's adds to it).
+    """
+    s, b, h, c, v = seq_len, micro_batch, shape.hidden, bytes_per_value, shape.vocab_size
+    block = block_saved_bytes(shape, b, s, c, flash_attention)
+    head_kept = 2 * s * b * h * c + 4 * s * b * v
+    kept = (shape.n_layer * s * b * h * c if checkpointing else shape.n_layer * block) + head_kept
+    loss = s * b * v * (2 * c + (4 if c < 4 else 0))
+    backward = (block if checkpointing else 0) + 2 * s * b * shape.intermediate * c
+    backward += v * h * c if shape.tied_embeddings else 0
+    return kept, max(loss, backward - head_kept)
+
+
 def activation_bytes(shape: ModelShape, micro_batch: int, seq_len: int, bytes_per_value: int = 2,
                      flash_attention: bool = True, checkpointing: bool = False) -> int:
-    """Bytes of activations saved for backward in one micro-batch, per rank.
+    """Peak activation bytes of one micro-batch, per rank: kept + transient
+    (:func:`activation_parts`)."""
+    return sum(activation_parts(shape, micro_batch, seq_len, bytes_per_value, flash_attention, checkpointing))
 
-    Per transformer layer, counting the tensors autograd keeps (values, for a
-    pre-LayerNorm block without dropout): LN inputs and outputs 4·sbh, q/k/v 3·sbh,
-    attention output sbh, MLP ``mlp_tensors``·s·b·intermediate — 16·sbh for GPT-2 —
-    plus a·s²·b attention probabilities when the attention is not fused (flash).
-    The LM head adds logits in the compute dtype plus an fp32 copy and an fp32
-    log-softmax (b·s·V·(bytes + 8)). With activation checkpointing only each
-    layer's input (sbh) is kept, plus one layer's working set during recompute.
+
+def stage3_block_unit(shape: ModelShape) -> int:
+    """Elements of the largest stage-3 unit inside a block: the whole block when it is
+    coalesced (≤ ``COALESCE_BLOCK_ELEMS``), else its MLP up-projection."""
+    block = shape.block_params or shape.largest_layer_params
+    return block if block <= COALESCE_BLOCK_ELEMS else shape.hidden * shape.intermediate + shape.intermediate
+
+
+def grad_buffer_bytes(shape: ModelShape, world_size: int, stage: int, bytes_per_value: int,
+                      bucket_elems: int = BUCKET_ELEMS) -> int:
+    """Flat gradient buffers of stages 2–3 (0 for stages 0–1, whose full gradient buffer
+    is a model state).
+
+    Each unit's gradients are copied into a flat buffer that is reduce-scattered into a
+    shard-sized output; a reduction is waited for once more than ``bucket_elems`` are in
+    flight, so at most ``bucket_elems`` plus one unit (a bucket, stage 2; a block's largest
+    unit, stage 3) of flat buffers exist, and their outputs (/N). A single parameter larger
+    than a bucket (the embedding) is reduced from autograd's own gradient: only its
+    output counts. The buffers are kept for reuse, so they stay resident.
     """
-    s, b, h = seq_len, micro_batch, shape.hidden
-    per_layer = (8 * h + shape.mlp_tensors * shape.intermediate) * s * b
-    if not flash_attention:
-        per_layer += shape.n_head * s * s * b
-    per_layer *= bytes_per_value
-    if checkpointing:
-        layers = shape.n_layer * s * b * h * bytes_per_value + per_layer
-    else:
-        layers = shape.n_layer * per_layer
-    head = s * b * shape.vocab_size * (bytes_per_value + 8) + 3 * s * b * h * bytes_per_value
-    return layers + head
+    if stage < 2:
+        return 0
+    unit = min(bucket_elems, shape.largest_layer_params) if stage == 2 else stage3_block_unit(shape)
+    flat = min(bucket_elems + unit, shape.num_params)
+    lone = shape.largest_layer_params if shape.largest_layer_params > bucket_elems else 0
+    return bytes_per_value * (flat + shard(flat + lone, world_size))
+
+
+def gathered_bytes(shape: ModelShape, stage: int, bytes_per_value: int, prefetch_elems: int = PREFETCH_ELEMS) -> int:
+    """Stage 3's gathered units at the peak (the loss): the largest layer (the tied
+    embedding / head is held over the loss) and what is prefetched next, at least the
+    next unit of a block."""
+    if stage != 3:
+        return 0
+    return bytes_per_value * (shape.largest_layer_params + max(prefetch_elems, stage3_block_unit(shape)))
+
+
+def step_temporary_bytes(num_params: int, world_size: int, stage: int, mixed_precision: bool) -> int:
+    """Bytes the optimizer step allocates on top of the states: with mixed precision the
+    fp32 copy of the gradient this rank updates (4 bytes per owned element: all of them at
+    stage 0, Ψ/N at stages 1–3); stage 1's reduce-scatter output (c per owned element),
+    alive from the end of backward to the end of the step. fp32 training updates from the
+    reduced buffer itself; fused Adam/AdamW and the per-tensor gradient norm allocate
+    nothing model-sized."""
+    owned = num_params if stage == 0 else shard(num_params, world_size)
+    c = 2 if mixed_precision else 4
+    return (4 * owned if mixed_precision else 0) + (c * owned if stage == 1 else 0)
 
 
 def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", *, micro_batch: int = 1,
          seq_len: int = 1024, mixed_precision: bool = True, flash_attention: bool = True,
-         checkpointing: bool = False) -> Plan:
-    """Where each byte lives, per rank, for one (stage, offload) choice."""
+         checkpointing: bool = False, host: bool = True) -> Plan:
+    """Where each byte lives, per rank, at the peak of a step (see the module docstring).
+    ``host``: training on CPU, so the process baseline and glibc's heap slack count."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
     if offload != "none" and stage == 0:
         raise ValueError("offload needs zero_optimization.stage >= 1")
     if offload in ("nvme_optimizer", "cpu_params", "nvme_params") and stage != 3:
         raise ValueError(f"offload {offload} needs zero_optimization.stage 3")
+    if micro_batch < 1 or seq_len < 1:
+        raise ValueError("micro-batch and sequence length must be >= 1")
     states = model_state_bytes(shape.num_params, world_size, stage, mixed_precision)
-    compute_bytes = 2 if mixed_precision else 4
-    # Stage 3 gathers whole layers just in time: the current one and the prefetched next.
-    gathered = 2 * compute_bytes * shape.largest_layer_params if stage == 3 else 0
-    acts = activation_bytes(shape, micro_batch, seq_len, compute_bytes, flash_attention, checkpointing)
-    device, cpu, nvme = states.total + gathered + acts, 0, 0
-    if offload in ("cpu_optimizer", "cpu_params"):
-        device -= states.optimizer
-        cpu += states.optimizer
-    if offload in ("nvme_optimizer", "nvme_params"):
-        device -= states.optimizer
-        nvme += states.optimizer
-    if offload == "cpu_params":
-        device -= states.params
-        cpu += states.params
-    if offload == "nvme_params":
-        device -= states.params
-        nvme += states.params
-    return Plan(stage, offload, states, gathered, acts, device, cpu, nvme)
+    c = 2 if mixed_precision else 4
+    kept, transient = activation_parts(shape, micro_batch, seq_len, c, flash_attention, checkpointing)
+    buffers = grad_buffer_bytes(shape, world_size, stage, c)
+    gathered = gathered_bytes(shape, stage, c)
+    temps = step_temporary_bytes(shape.num_params, world_size, stage, mixed_precision)
+    baseline = HOST_BASELINE_BYTES if host else 0
+    slack = 0
+    if host and stage < 3 and "nvme" not in offload:
+        slack = min(HOST_HEAP_SLACK_BYTES, kept + transient + c * shape.num_params)
+    on_device = states.total
+    cpu = nvme = 0
+    if offload != "none":  # the optimizer step, and its temporaries, run where the optimizer state is
+        on_device -= states.optimizer
+        cpu += temps
+        if "nvme" in offload:
+            nvme += states.optimizer
+        else:
+            cpu += states.optimizer
+    if offload in ("cpu_params", "nvme_params"):
+        on_device -= states.params
+        if offload == "cpu_params":
+            cpu += states.params
+        else:
+            nvme += states.params
+    working = max(kept + transient + buffers + gathered, (temps if offload == "none" else 0) + buffers)
+    device = baseline + slack + on_device + working
+    return Plan(stage, offload, states, gathered, kept + transient, device, cpu, nvme, micro_batch, checkpointing,
+                kept, buffers, temps, baseline, slack, shape.n_layer)
+
+
+STAGE_OFFLOAD_ORDER = [(0, "none"), (1, "none"), (2, "none"), (1, "cpu_optimizer"), (2, "cpu_optimizer"),
+                       (3, "none"), (3, "cpu_optimizer"), (3, "nvme_optimizer"), (3, "cpu_params"), (3, "nvme_params")]
+"""(stage, offload) by expected step time: less communication and less offload traffic
+first (stage 0 > 1 > 2 > 2 + CPU optimizer > 3 > 3 + offloads, CPU before NVMe)."""
+
+
+def _traffic_tier(stage: int, offload: str) -> int:
+    """Stages 0, 1 and 2 move the same bytes per step (an all-reduce is a reduce-scatter
+    plus an all-gather): one tier; every later entry of STAGE_OFFLOAD_ORDER its own."""
+    return max(0, STAGE_OFFLOAD_ORDER.index((stage, offload)) - 2)
 
 
 def all_plans(shape: ModelShape, world_size: int, **kw) -> list[Plan]:
-    """Every valid (stage, offload) plan, cheapest first.
+    """Every valid (stage, offload) plan, in ``STAGE_OFFLOAD_ORDER``."""
+    return [plan(shape, world_size, s, o, **kw) for s, o in STAGE_OFFLOAD_ORDER]
 
-    "Cheapest" orders by expected step time: less communication and less offload
-    traffic first (stage 0 > 1 > 2 > 2 + CPU optimizer > 3 > 3 + offloads, CPU before
-    NVMe)."""
-    order = [(0, "none"), (1, "none"), (2, "none"), (1, "cpu_optimizer"), (2, "cpu_optimizer"),
-             (3, "none"), (3, "cpu_optimizer"), (3, "nvme_optimizer"), (3, "cpu_params"), (3, "nvme_params")]
-    return [plan(shape, world_size, s, o, **kw) for s, o in order]
+
+def micro_batch_choices(largest: int) -> list[int]:
+    """``largest`` and the powers of two below it, largest first."""
+    out = [largest]
+    m = 1 << (largest.bit_length() - 1)
+    while m >= 1:
+        if m != largest:
+            out.append(m)
+        m //= 2
+    return out
+
+
+def candidate_plans(shape: ModelShape, world_size: int, max_micro_batch: int, **kw) -> list[Plan]:
+    """Every stage × offload × checkpointing × micro-batch (``max_micro_batch`` and the
+    powers of two below) plan, cheapest first. Cheapest is lexicographic:
+
+    1. least communication and offload traffic (the tiers of ``_traffic_tier``);
+    2. no activation checkpointing before checkpointing (one more forward per block);
+    3. the larger micro-batch (fewer accumulation steps for the same batch);
+    4. the lower stage within a tier.
+    """
+    kw.pop("checkpointing", None)
+    plans = [plan(shape, world_size, s, o, micro_batch=m, checkpointing=ck, **kw)
+             for s, o in STAGE_OFFLOAD_ORDER for ck in (False, True) for m in micro_batch_choices(max_micro_batch)]
+    return sorted(plans, key=lambda p: (_traffic_tier(p.stage, p.offload), p.checkpointing, -p.micro_batch,
+                                        STAGE_OFFLOAD_ORDER.index((p.stage, p.offload))))
 
 
 def recommend(plans: list[Plan], device_budget: int, cpu_budget: int | None = None) -> Plan | None:
@@ -195,7 +375,7 @@ def gpt_shape(n_layer: int = 4, n_embd: int = 128, n_head: int = 4, vocab_size: 
     block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
     total = vocab_size * d + n_positions * d + n_layer * block + 2 * d
     return ModelShape(total, n_layer, d, n_head, vocab_size, 4 * d, max(block, vocab_size * d), 2,
-                      f"GPT n_layer={n_layer} n_embd={n_embd} vocab={vocab_size}")
+                      f"GPT n_layer={n_layer} n_embd={n_embd} vocab={vocab_size}", block, True)
 
 
 def hf_shape(cfg: dict) -> ModelShape:
@@ -225,7 +405,7 @@ def hf_shape(cfg: dict) -> ModelShape:
     positions = int(cfg.get("n_positions") or 0) * h if cfg.get("model_type") == "gpt2" else 0
     total = vocab * h * (1 if tied else 2) + positions + n_layer * block + (2 * h if classic else h)
     return ModelShape(total, n_layer, h, heads, vocab, inter, max(block, vocab * h), 4 if gated else 2,
-                      str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf model"))
+                      str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf model"), block, tied)
 
 
 def parse_bytes(text: str) -> int:
