@@ -63,28 +63,36 @@ def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, loca
              for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(results) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
-            try:
-                rank, status, payload = q.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+        results = _collect(q, procs, timeout)
     finally:
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+    return results
+
+
+def _collect(q, procs: list, timeout: float) -> list:
+    """Each rank's result from ``q`` by rank; raises on the first error, a dead rank, or
+    when ``timeout`` seconds pass."""
+    world = len(procs)
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish in {timeout}s")
+        try:
+            rank, status, payload = q.get(timeout=min(remaining, 1.0))
+        except Exception:  # queue.Empty
+            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in results]
+            if dead:
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+            continue
+        if status == "error":
+            raise RuntimeError(f"rank {rank} failed:\n{payload}")
+        results[rank] = payload
     return [results[r] for r in range(world)]
 
 
@@ -137,28 +145,11 @@ class RankPool:
             self._start()
         for box in self._inboxes:
             box.put((fn, args))
-        results: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout
         try:
-            while len(results) < self.world:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"ranks {sorted(set(range(self.world)) - set(results))} did not finish "
-                                       f"in {timeout}s")
-                try:
-                    rank, status, payload = self._outbox.get(timeout=min(remaining, 1.0))
-                except Exception:  # queue.Empty
-                    dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
-                    if dead:
-                        raise RuntimeError(f"rank {dead[0]} died with exit code {self._procs[dead[0]].exitcode}") from None
-                    continue
-                if status == "error":
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                results[rank] = payload
+            return _collect(self._outbox, self._procs, timeout)
         except BaseException:
             self.close()
             raise
-        return [results[r] for r in range(self.world)]
 
     def close(self) -> None:
         for box in getattr(self, "_inboxes", []):
