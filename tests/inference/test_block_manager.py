@@ -166,3 +166,64 @@ def test_block_manager_hands_out_low_ids_and_evicts_cached_last():
     bm.allocate(d)
     assert d.block_table == [5, 0]  # the cached block 0 is evicted last
     assert 0 not in bm.block_hash and not bm.cached
+
+
+def test_reset_prefix_cache_then_eviction_does_not_raise():
+    """Regression: ``LLMEngine.load_weights`` cleared ``cached`` and ``block_hash`` but
+    not ``free_cached``, so the next eviction of a free hashed block raised KeyError."""
+    bm = BlockManager(num_blocks=3, block_size=2)
+    p = SamplingParams()
+    a = Sequence(0, "a", [1, 2, 3, 4, 5], p)
+    bm.allocate(a)
+    a.num_computed = 5
+    bm.commit(a)
+    bm.free_seq(a)
+    assert len(bm.free_cached) == 2
+    bm.reset_prefix_cache()
+    assert bm.num_free_blocks == 3 and not bm.free_cached and not bm.cached
+    b = Sequence(1, "b", [1, 2, 3, 4, 5, 6], p)  # needs every block: nothing is reused
+    assert bm.allocate(b) == 0 and sorted(b.block_table) == [0, 1, 2]
+
+
+def test_a_sequence_running_across_a_reset_caches_nothing():
+    """Its KV was computed partly with the old weights."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+    p = SamplingParams()
+    a = Sequence(0, "a", [1, 2, 3, 4, 5], p)
+    bm.allocate(a)
+    bm.reset_prefix_cache()
+    a.num_computed = 5
+    bm.commit(a)
+    assert not bm.cached
+    b = Sequence(1, "b", [1, 2, 3, 4, 5], p)
+    assert bm.allocate(b) == 0
+    b.num_computed = 5
+    bm.commit(b)
+    assert len(bm.cached) == 2
+
+
+@pytest.mark.timeout(120)
+def test_engine_load_weights_then_prefix_eviction():
+    """The same through the engine: a cached prefix, new weights, then enough requests to evict."""
+    from zeal.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=2)
+    llm = LLMEngine(GPT(cfg).eval(), None, EngineConfig(num_blocks=6, block_size=4))
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def run(prompts):
+        for i, prompt in enumerate(prompts):
+            llm.add_request(f"{len(llm.requests)}-{i}-{prompt[0]}", prompt, sp)
+        done = []
+        for _ in range(200):
+            done += [o for o in llm.step() if o.finished]
+            if not llm.has_unfinished():
+                return done
+        raise AssertionError("the engine does not make progress")
+
+    run([list(range(1, 13))])  # 3 full blocks stay cached once the request ends
+    torch.manual_seed(1)
+    llm.load_weights(GPT(cfg).state_dict().items())
+    outs = run([list(range(20, 40))])  # needs every block: evicts what was cached
+    assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 2

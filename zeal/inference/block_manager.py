@@ -50,6 +50,8 @@ class BlockManager:
         self.seq_hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
         self.num_prefix_hits = 0  # blocks reused from the cache (tokens not recomputed)
         self.num_prefix_queries = 0
+        self.epoch = 0  # bumped by reset_prefix_cache()
+        self.seq_epoch: dict[int, int] = {}  # seq_id -> epoch its blocks were allocated in
 
     # ------------------------------------------------------------ queries
     @property
@@ -136,6 +138,7 @@ class BlockManager:
         seq.block_table = table
         seq.num_computed = len(hits) * self.block_size
         self.seq_hashes[seq.seq_id] = [self.block_hash[b] for b in hits]
+        self.seq_epoch[seq.seq_id] = self.epoch
         return seq.num_computed
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
@@ -164,10 +167,11 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.num_computed = parent.num_computed
         self.seq_hashes[child.seq_id] = list(self.seq_hashes.get(parent.seq_id, []))
+        self.seq_epoch[child.seq_id] = self.seq_epoch.get(parent.seq_id, self.epoch)
 
     def commit(self, seq: Sequence) -> None:
         """Register the prefix hashes of blocks that became full and computed."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self.seq_epoch.get(seq.seq_id, self.epoch) != self.epoch:
             return
         full = seq.num_computed // self.block_size
         known = self.seq_hashes.setdefault(seq.seq_id, [])
@@ -180,6 +184,18 @@ class BlockManager:
                 self.cached[h] = b
                 self.block_hash[b] = h
         self.seq_hashes[seq.seq_id] = hashes
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (new weights make them wrong): free hashed blocks
+        become plain free blocks, blocks in use lose their hash, and sequences already
+        running never register their blocks (their KV mixes both weights)."""
+        for b in self.free_cached:
+            heapq.heappush(self.free_plain, b)
+        self.free_cached.clear()
+        self.block_hash.clear()
+        self.cached.clear()
+        self.seq_hashes.clear()
+        self.epoch += 1
 
     def _release(self, b: int) -> None:
         self.ref_count[b] -= 1
@@ -198,3 +214,4 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed = 0
         self.seq_hashes.pop(seq.seq_id, None)
+        self.seq_epoch.pop(seq.seq_id, None)

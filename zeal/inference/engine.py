@@ -134,8 +134,7 @@ class LLMEngine:
     def load_weights(self, named_tensors) -> int:
         """New weights in place (RLHF); cached prefixes were computed with the old ones, so drop them."""
         n = self.runner.load_weights(named_tensors)
-        self.bm.cached.clear()
-        self.bm.block_hash.clear()
+        self.bm.reset_prefix_cache()
         return n
 
     # ------------------------------------------------------------ the loop
