@@ -1,8 +1,9 @@
 """Activation checkpointing: zeal's GPT and Llama, the config section, and its apply step.
 
 Tolerance: a checkpointed backward re-runs the very same fp32 ops on the very same
-inputs (dropout included: checkpoint restores the RNG state), so the loss is
-bitwise equal; the parameter gradients may differ in the last ulp only because
+inputs (dropout included: checkpoint restores the RNG state); GPT's loss under
+checkpointing is summed over chunks of the logits (never whole), so it equals the
+plain mean to fp32 rounding (1e-6 relative); the parameter gradients may differ in the last ulp only because
 autograd may sum a tensor's incoming gradients in another order when the graph
 is split into recomputed pieces. 1e-6 (absolute, on gradients of order 1e-2..1)
 leaves room for that and nothing else: a missed or doubled block moves them by
@@ -49,7 +50,7 @@ def _loss_and_grads(model: torch.nn.Module, loss_fn, x: torch.Tensor, seed: int 
 
 
 def _assert_same(ref, got) -> None:
-    assert torch.equal(ref[0], got[0]), (ref[0], got[0])
+    assert abs(ref[0].item() - got[0].item()) <= 1e-6 * abs(ref[0].item()), (ref[0], got[0])
     for n, g in ref[1].items():
         assert (g - got[1][n]).abs().max().item() <= TOL, n
 
@@ -243,3 +244,26 @@ def test_train_flag_adds_the_section():
     assert build_spec(args, extra).engine["activation_checkpointing"] == {}
     args, extra = parser.parse_known_args(["train", "--nproc", "1", "--activation_checkpointing.profile", "true"])
     assert build_spec(args, extra).engine["activation_checkpointing"] == {"profile": True}
+
+
+@pytest.mark.timeout(60)
+def test_gpt_loss_under_checkpointing_is_chunked_and_keeps_no_logits(monkeypatch):
+    """The LM-head loss is scored chunk by chunk (checkpointed): nothing of size b·s·V is
+    saved for backward, and the value and gradients equal the plain loss's."""
+    from zeal.models import checkpointing as ck
+    from zeal.models.gpt import GPT, GPTConfig
+
+    monkeypatch.setattr(ck, "LOSS_CHUNK_ELEMS", 7 * 64)  # 7 rows of a 64-entry vocabulary: several chunks
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, n_positions=32, n_embd=16, n_layer=2, n_head=2))
+    x = torch.randint(0, 64, (3, 20))
+    x[0, 5] = -100
+    labels = x.clamp(min=0)
+    labels[1, 7:9] = -100
+    ref = _loss_and_grads(model, lambda m, _: m(x.clamp(min=0), labels=labels), x)
+    model.checkpoint_activations = True
+    sizes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+        got = _loss_and_grads(model, lambda m, _: m(x.clamp(min=0), labels=labels), x)
+    _assert_same(ref, got)
+    assert max(sizes) < 3 * 19 * 64, max(sizes)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -99,6 +100,40 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
         with _boundary_storage(policy, x):
             x = checkpoint(fn, x, *extra, use_reentrant=policy.use_reentrant)
     return x
+
+
+# Elements of one chunk's logits in :func:`causal_lm_loss` (32 MiB in fp32): the largest
+# transient of the loss's backward is about three of them (logits, their log-softmax, its gradient).
+LOSS_CHUNK_ELEMS = 1 << 23
+
+
+def causal_lm_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, policy: CheckpointPolicy) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``head(h)`` against ``labels`` (shifted inside;
+    ``-100`` ignored). Under an active ``policy`` the logits are never whole: chunks of
+    rows are projected, scored and summed, each chunk checkpointed, so what is kept for
+    backward is ``h`` alone (not the b·s·V fp32 log-softmax) and backward recomputes one
+    chunk's logits at a time. Same value as the plain path up to summation order."""
+    if not (policy.enabled and torch.is_grad_enabled() and head.training):
+        logits = head(h)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)
+    hs = h[:, :-1].reshape(-1, h.size(-1))
+    ys = labels[:, 1:].reshape(-1)
+    rows = max(1, LOSS_CHUNK_ELEMS // _out_features(head, h))
+    total = None
+    for start in range(0, hs.size(0), rows):
+        part = checkpoint(_chunk_loss, head, hs[start:start + rows], ys[start:start + rows], use_reentrant=False)
+        total = part if total is None else total + part
+    return total / (ys != -100).sum().clamp(min=1)
+
+
+def _chunk_loss(head: nn.Module, hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hc).float(), yc, ignore_index=-100, reduction="sum")
+
+
+def _out_features(head: nn.Module, h: torch.Tensor) -> int:
+    n = getattr(head, "out_features", None)
+    return int(n) if n else int(head(h[:1, :1]).size(-1))
 
 
 def _group(group: list[nn.Module]) -> Callable[..., torch.Tensor]:

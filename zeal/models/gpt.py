@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, run_blocks
+from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 
 
 @dataclass
@@ -137,12 +137,10 @@ class GPT(nn.Module, Checkpointable):
         pos = torch.arange(t, device=input_ids.device)
         x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
         x = run_blocks(self.transformer.h, x, self.checkpoint_policy)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        h = self.transformer.ln_f(x)
         if labels is None:
-            return logits
-        return F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100
-        )
+            return self.lm_head(h)
+        return causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
 
     @torch.no_grad()
     def generate(

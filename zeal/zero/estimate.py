@@ -64,6 +64,7 @@ HOST_HEAP_SLACK_BYTES = 195 * MIB
 BUCKET_ELEMS = 5_000_000          # reduce_bucket_size: bucket size and bound on gradients in flight
 PREFETCH_ELEMS = 1_000_000        # stage3_prefetch_bucket_size
 COALESCE_BLOCK_ELEMS = 4_000_000  # a block this small is one stage-3 unit
+LOSS_CHUNK_ELEMS = 1 << 23        # zeal GPT under checkpointing scores the logits in chunks of this many
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,11 @@ def activation_parts(shape: ModelShape, micro_batch: int, seq_len: int, bytes_pe
     *kept*: what autograd holds once the forward is done: every block's saved tensors
     (:func:`block_saved_bytes`) or, with per-block checkpointing, each block's input
     (bsh); plus the head's: the final LN's and the LM head's inputs (2·bsh) and the fp32
-    log-softmax of the loss (4·bsV bytes).
+    log-softmax of the loss (4·bsV bytes). With checkpointing zeal's GPT scores the
+    logits in checkpointed chunks of ``LOSS_CHUNK_ELEMS``: the head keeps only its
+    inputs, and the loss's transient is one chunk's logits, fp32 copy, log-softmax and
+    gradient, plus the head's weight gradient summed over the chunks (the running sum
+    and the next chunk's, V·h each).
 
     *transient*: the larger of two moments on top of that. At the loss: the logits
     (bsV in the compute dtype), their shifted copy (idem) and, for 16-bit compute, their
@@ -208,9 +213,16 @@ def activation_parts(shape: ModelShape, micro_batch: int, seq_len: int, bytes_pe
     """
     s, b, h, c, v = seq_len, micro_batch, shape.hidden, bytes_per_value, shape.vocab_size
     block = block_saved_bytes(shape, b, s, c, flash_attention)
-    head_kept = 2 * s * b * h * c + 4 * s * b * v
+    if checkpointing:  # chunked, recomputed loss: nothing of b·s·V is kept; one chunk at a time
+        head_kept = 2 * s * b * h * c
+        chunk = min(LOSS_CHUNK_ELEMS, s * b * v)
+        loss = chunk * (c + (4 if c < 4 else 0) + 8)  # logits, fp32 copy, log-softmax and its gradient
+        # the head's weight gradient is summed over the chunks: the running sum and the next chunk's
+        loss += (2 if s * b * v > chunk else 1) * v * h * c
+    else:
+        head_kept = 2 * s * b * h * c + 4 * s * b * v
+        loss = s * b * v * (2 * c + (4 if c < 4 else 0))
     kept = (shape.n_layer * s * b * h * c if checkpointing else shape.n_layer * block) + head_kept
-    loss = s * b * v * (2 * c + (4 if c < 4 else 0))
     backward = (block if checkpointing else 0) + 2 * s * b * shape.intermediate * c
     backward += v * h * c if shape.tied_embeddings else 0
     return kept, max(loss, backward - head_kept)
