@@ -189,8 +189,8 @@ class Checkpointable:
     checkpoint_policy: CheckpointPolicy
 
     def layer_stack(self) -> nn.ModuleList:
-        """The blocks that checkpointing groups (override in the model)."""
-        raise NotImplementedError
+        """The blocks that checkpointing groups; each model that mixes this in returns its own."""
+        raise TypeError(f"{type(self).__name__} mixes in Checkpointable but does not define layer_stack()")
 
     @property
     def checkpoint_activations(self) -> bool:

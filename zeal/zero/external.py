@@ -12,7 +12,7 @@ the first step on. No attribute is set on the module or the parameter.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -59,9 +59,10 @@ _METADATA = frozenset(
 class ExternalReads(TorchFunctionMode):
     """Active while a ZeRO-3 model's forward runs: every torch function that receives a
     partitioned parameter calls ``on_read(param)`` first, which gathers the parameter's
-    unit when no running module holds it. Attribute and metadata reads pass through."""
+    unit when no running module holds it. ``params``: the ids of the partitioned
+    parameters (any container with ``in``). Attribute and metadata reads pass through."""
 
-    def __init__(self, params: set[int], on_read: Callable[[nn.Parameter], None]) -> None:
+    def __init__(self, params: Collection[int], on_read: Callable[[nn.Parameter], None]) -> None:
         super().__init__()
         self._params, self._on_read = params, on_read
 

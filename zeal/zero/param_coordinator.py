@@ -213,7 +213,7 @@ class ParamCoordinator:
         self._calls.setdefault(mod, []).append(call)
         self._stack.append(call)
         if self._mode is None:  # the outermost hooked call watches for external reads
-            self._mode = ExternalReads(set(self._unit_of), self._on_external_read)
+            self._mode = ExternalReads(self._unit_of, self._on_external_read)
             self._mode.__enter__()
         if torch.is_grad_enabled() and not isinstance(mod, nn.Embedding):
             # the gradient of an input is complete only after this module's backward ran
@@ -230,9 +230,8 @@ class ParamCoordinator:
             self._stack.pop()
         else:
             self._stack = [c for c in self._stack if c is not call]
-        if not self._stack and self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+        if not self._stack:
+            self._leave_mode()
         for u in call.units:
             self._holds[u.index] -= 1
         for u in call.units:
@@ -309,10 +308,9 @@ class ParamCoordinator:
         for idx in list(self._bwd_held):
             self._bwd_held.discard(idx)
             self._release(self.units[idx])
-        for u in self.units:  # prefetched for a use that did not come: nothing is in flight at the step
-            if u.index in self._inflight:
-                self._wait(u)
-                self._release(u)
+        for idx in list(self._inflight):  # prefetched for a use that did not come: nothing in flight at the step
+            self._wait(self.units[idx])
+            self._release(self.units[idx])
 
     def end_step(self) -> None:
         """Close the trace of this step and release everything not persistent."""
@@ -378,6 +376,9 @@ class ParamCoordinator:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._leave_mode()
+
+    def _leave_mode(self) -> None:
         if self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
