@@ -162,7 +162,7 @@ def _accumulation_traffic(rank, world):
         stats = engine._p.comm.stats
         x, y = make_batches(1, 1, world, 2)[0][0][rank]
         engine.backward(engine((x, y)))  # a non-boundary micro-step
-        out[stage] = sum(c.calls for (op, kind), c in stats.step.items() if kind == "grad")
+        out[stage] = sum(c.calls for (op, kind, _dim), c in stats.step.items() if kind == "grad")
         engine.step()
     return out
 

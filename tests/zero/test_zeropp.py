@@ -32,9 +32,9 @@ def _train(rank, world, variants):
         for _ in range(STEPS):
             x = torch.randint(0, CFG.vocab_size, (2, 16), generator=g)
             loss = engine(x, labels=x)
-            before = sum(c.inter_node_bytes for (op, kind), c in stats.step.items() if kind == "param")
+            before = sum(c.inter_node_bytes for (op, kind, _dim), c in stats.step.items() if kind == "param")
             engine.backward(loss)
-            after = sum(c.inter_node_bytes for (op, kind), c in stats.step.items() if kind == "param")
+            after = sum(c.inter_node_bytes for (op, kind, _dim), c in stats.step.items() if kind == "param")
             engine.step()
             losses.append(loss.item())
             bwd_param_inter.append(after - before)

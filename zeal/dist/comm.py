@@ -8,6 +8,8 @@ Counting convention (stated once, used by every test and report):
   (N-1)/N of the logical volume, times the element size. ``inter_node_bytes`` is
   the part of it addressed to ranks on other nodes (node = rank // local_world_size),
   assuming each rank sends each peer its 1/N chunk.
+* Each Comm has a ``name``: the mesh dimension it spans ("world", "dp", "tp", "pp",
+  "ep", "edp", or a ZeRO++ node dimension); reports also sum by dimension.
 * Each call carries a ``kind``: "param" (parameter gathers), "grad" (gradient
   reductions) or "control" (norms, overflow flags, scalars); the textbook
   volumes concern param + grad.
@@ -45,45 +47,51 @@ class _Counter:
 class CommStats:
     """Per (op, kind) counters for the current step and the whole run."""
 
-    step: dict[tuple[str, str], _Counter] = field(default_factory=lambda: defaultdict(_Counter))
-    last_step: dict[tuple[str, str], _Counter] = field(default_factory=dict)
-    total: dict[tuple[str, str], _Counter] = field(default_factory=lambda: defaultdict(_Counter))
+    step: dict[tuple[str, str, str], _Counter] = field(default_factory=lambda: defaultdict(_Counter))
+    last_step: dict[tuple[str, str, str], _Counter] = field(default_factory=dict)
+    total: dict[tuple[str, str, str], _Counter] = field(default_factory=lambda: defaultdict(_Counter))
 
-    def record(self, op: str, kind: str, logical: int, nbytes: int, inter: int) -> None:
+    def record(self, op: str, kind: str, logical: int, nbytes: int, inter: int, dim: str = "world") -> None:
         c = _Counter(1, logical, nbytes, inter)
-        self.step[(op, kind)].add(c)
-        self.total[(op, kind)].add(c)
+        self.step[(op, kind, dim)].add(c)
+        self.total[(op, kind, dim)].add(c)
 
     def end_step(self) -> None:
         self.last_step = dict(self.step)
         self.step = defaultdict(_Counter)
 
     @staticmethod
-    def _summary(table: dict[tuple[str, str], _Counter]) -> dict:
-        out: dict = {"by_op": {}, "by_kind": {}}
-        for (op, kind), c in sorted(table.items()):
-            out["by_op"][f"{op}/{kind}"] = vars(c).copy()
-            agg = out["by_kind"].setdefault(kind, vars(_Counter()).copy())
-            for k, v in vars(c).items():
-                agg[k] += v
+    def _summary(table: dict[tuple[str, str, str], _Counter]) -> dict:
+        out: dict = {"by_op": {}, "by_kind": {}, "by_dim": {}}
+        for (op, kind, dim), c in sorted(table.items()):
+            for section, key in (("by_op", f"{op}/{kind}"), ("by_kind", kind), ("by_dim", dim)):
+                agg = out[section].setdefault(key, vars(_Counter()).copy())
+                for k, v in vars(c).items():
+                    agg[k] += v
         return out
 
     def report(self) -> dict:
         return {"last_step": self._summary(self.last_step), "total": self._summary(self.total)}
 
 
-# torch 2.13 renamed the flat collectives; older releases only have the old names.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the flat collectives; older releases only have the old names. Looked up
+# at each call (not bound at import), so a wrapper around torch.distributed sees them too.
+def all_gather_flat(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_flat(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class Comm:
     """A process group plus accounting. Every method takes the tensors it works on;
-    ``async_op=True`` returns a handle with ``wait()`` (a no-op handle at world size 1)."""
+    ``async_op=True`` returns a handle with ``wait()`` (a no-op handle at world size 1).
+    ``ranks`` are the group's global ranks in group order; ``name`` the mesh dimension."""
 
     def __init__(self, ctx: DistContext, group: dist.ProcessGroup | None = None,
-                 ranks: list[int] | None = None, stats: CommStats | None = None) -> None:
-        self.ctx = ctx
+                 ranks: list[int] | None = None, stats: CommStats | None = None, name: str = "world") -> None:
+        self.ctx, self.name = ctx, name
         self.group = group if group is not None else ctx.group
         self.ranks = ranks if ranks is not None else list(range(ctx.world_size))
         self.size = len(self.ranks)
@@ -103,7 +111,11 @@ class Comm:
         n = self.size
         chunk_bytes = numel * elem_size // n
         self.stats.record(op, kind, factor * numel, factor * chunk_bytes * (n - 1),
-                          factor * chunk_bytes * self._remote_peers)
+                          factor * chunk_bytes * self._remote_peers, self.name)
+
+    def record(self, op: str, kind: str, logical: int, nbytes: int, inter: int) -> None:
+        """Account a transfer this Comm's group made outside its methods (quantized ZeRO++ ops)."""
+        self.stats.record(op, kind, logical, nbytes, inter, self.name)
 
     def all_reduce(self, t: torch.Tensor, kind: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if not self.active:

@@ -86,7 +86,7 @@ def _unit_sources(engine: Any):
     for u in p.units:
         m = master_of.get(id(u))
         if m is not None:
-            yield u, m.data, (0 if zopt.stage == 0 else u.start), m
+            yield u, m.data, zopt.stage.owned_start(u), m
         else:
             yield u, u.shard, u.start, None
 
@@ -495,7 +495,7 @@ def _write_back(engine: Any) -> None:
     p = engine._p
     stats = (copy.deepcopy(p.comm.stats.step), copy.deepcopy(p.comm.stats.total))
     with torch.no_grad():
-        p.zero_optimizer._write_back()
+        p.zero_optimizer.write_back()
         if p.coordinator is not None:
             p.coordinator.refresh_persistent(frozen_too=True)
     p.comm.stats.step, p.comm.stats.total = stats

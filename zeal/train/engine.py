@@ -4,6 +4,8 @@ Everything the engine works with is built and wired by :mod:`zeal.train.build`;
 the engine only sequences it. ``backward`` and ``step`` are called on every
 micro-batch (as in DeepSpeed): ``backward`` scales the loss by 1/accumulation
 (and by the fp16 loss scale), ``step`` updates only at the accumulation boundary.
+What the applied features do around them (gradient reduction, stage-3 gathers, ...)
+is a list of step hooks (:mod:`zeal.train.hooks`) walked in registration order.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from torch import nn
 
 from zeal.config import Config
 from zeal.dist.comm import Comm
-from zeal.dist.context import DistContext, before_shutdown
+from zeal.dist.context import before_shutdown
+from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
+from zeal.train.hooks import check_hook, run_hooks
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
 from zeal.zero.param_coordinator import ParamCoordinator
+from zeal.zero.stages import ZeroStage
 from zeal.zero.units import FlatUnit
 
 log = logging.getLogger("zeal")
@@ -47,8 +52,8 @@ class EngineParts:
 
     module: nn.Module
     config: Config
-    ctx: DistContext
-    comm: Comm
+    mesh: Mesh
+    stage: ZeroStage
     units: list[FlatUnit]
     reducer: GradReducer
     zero_optimizer: ZeroOptimizer
@@ -59,6 +64,11 @@ class EngineParts:
     compute_dtype: torch.dtype
     micro_batch: int
     grad_accum: int
+
+    @property
+    def comm(self) -> Comm:
+        """The data-parallel Comm ZeRO shards over."""
+        return self.mesh.dp
 
 
 class TrainEngine:
@@ -79,20 +89,25 @@ class TrainEngine:
         self.global_samples = 0
         self._times: dict[str, float] = defaultdict(float)
         self._timing = parts.config.wall_clock_breakdown
-        self.rank, self.world_size = parts.ctx.rank, parts.ctx.world_size
-        self.device = parts.ctx.device
+        self.mesh = parts.mesh
+        self.rank, self.world_size = parts.mesh.rank, parts.mesh.world_size
+        self.device = parts.mesh.device
+        self._hooks: list[object] = []
         _LIVE.add(self)
+
+    def register_step_hook(self, hook: object) -> None:
+        """Run ``hook``'s ``before_backward(boundary)`` / ``after_backward()`` /
+        ``after_step(applied)`` / ``close()`` (any subset; see :mod:`zeal.train.hooks`)
+        after the hooks registered before it."""
+        check_hook(hook)
+        self._hooks.append(hook)
 
     def close(self) -> None:
         """Release hooks, in-flight collectives and buffers; the engine is unusable after.
         Called for every live engine at exit, before the process group is destroyed."""
-        p = self.__dict__.pop("_p", None)
-        if p is None:
+        if self.__dict__.pop("_p", None) is None:
             return
-        if p.coordinator is not None:
-            p.coordinator.end_step()
-            p.coordinator.remove_hooks()
-        p.reducer.wait_all()  # nothing new is sent: only what is in flight completes
+        run_hooks(self._hooks, "close")
 
     # -- properties users expect -------------------------------------------------------
     @property
@@ -161,15 +176,11 @@ class TrainEngine:
                 raise TypeError("engine.backward needs a loss tensor or an output with a .loss attribute")
         t0 = time.perf_counter()
         p = self._p
-        p.reducer.begin_backward(self.is_gradient_accumulation_boundary())
-        if p.coordinator is not None:
-            p.coordinator.begin_backward()
+        run_hooks(self._hooks, "before_backward", self.is_gradient_accumulation_boundary())
         scale = (p.scaler.scale if p.scaler else 1.0) / p.grad_accum
         (loss.float() * scale).backward()
         t1 = time.perf_counter()
-        p.reducer.finish_backward()  # reduces units whose hooks did not (unused parameters), waits for all
-        if p.coordinator is not None:
-            p.coordinator.finish_backward()
+        run_hooks(self._hooks, "after_backward")
         self._times["backward"] += t1 - t0 if self._timing else 0.0
         self._tick("reduce", t1)
 
@@ -177,21 +188,17 @@ class TrainEngine:
         """Count the micro-step; at the accumulation boundary update the model."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        self.global_samples += self._p.micro_batch * self.world_size
+        self.global_samples += self._p.micro_batch * self.mesh.dp_size
         if not boundary:
             return
         t0 = time.perf_counter()
         p = self._p
         applied = p.zero_optimizer.step()
-        p.reducer.zero()
-        if p.coordinator is not None:
-            if applied:
-                p.coordinator.refresh_persistent()
-            p.coordinator.end_step()
+        run_hooks(self._hooks, "after_step", applied)
         if applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
-        p.comm.stats.end_step()
+        self.mesh.stats.end_step()
         self._tick("step", t0)
         if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
             lr = self.lr_scheduler.get_last_lr() if hasattr(self.lr_scheduler, "get_last_lr") else \
@@ -244,9 +251,10 @@ class TrainEngine:
         return out
 
     def comm_stats(self) -> dict:
-        """Bytes and calls per collective for the last optimizer step and in total
-        (convention in :mod:`zeal.dist.comm`)."""
-        return self._p.comm.stats.report()
+        """Bytes and calls per collective for the last optimizer step and in total, by
+        op, kind and mesh dimension (convention in :mod:`zeal.dist.comm`); every
+        collective zeal issues goes through the mesh's Comms, so nothing is missing."""
+        return self.mesh.stats.report()
 
     def wall_clock_breakdown(self) -> dict[str, float]:
         """Seconds spent in forward, backward, reduce (waiting for gradient

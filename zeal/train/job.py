@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from zeal.dist.comm import Comm
 from zeal.models.gpt import sample_next
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
 
@@ -235,11 +236,12 @@ def _logits_of(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def _mean_over_ranks(values: list[float], world: int) -> list[float]:
+def _mean_over_ranks(values: list[float], comm: Comm) -> list[float]:
+    """The mean of ``values`` over the ranks of ``comm`` (unchanged alone)."""
     t = torch.tensor(values, dtype=torch.float64)
-    if world > 1:
-        torch.distributed.all_reduce(t)
-        t /= world
+    if comm.active:
+        comm.all_reduce(t, "control")
+        t /= comm.size
     return t.tolist()
 
 
@@ -248,9 +250,9 @@ def evaluate(engine: Any, blocks: Any, micro_batch: int, max_batches: int) -> fl
     """Mean held-out loss over every rank's share of the held-out blocks."""
     engine.eval()
     losses = [float(_loss_of(engine({"input_ids": b, "labels": b})))
-              for b in blocks.heldout_batches(micro_batch, max_batches, engine.rank, engine.world_size)]
+              for b in blocks.heldout_batches(micro_batch, max_batches, engine.mesh.dp_rank, engine.mesh.dp_size)]
     engine.train()
-    return _mean_over_ranks([sum(losses) / len(losses)], engine.world_size)[0]
+    return _mean_over_ranks([sum(losses) / len(losses)], engine.mesh.dp)[0]
 
 
 @torch.no_grad()
@@ -264,8 +266,7 @@ def sample(engine: Any, tokenizer: Any, prompt: str, max_new_tokens: int, temper
     for _ in range(max_new_tokens):
         logits = _logits_of(engine({"input_ids": ids[:, -seq_len:]}))[:, -1]
         nxt = sample_next(logits, temperature, top_k, gen)
-        if engine.world_size > 1:
-            torch.distributed.broadcast(nxt, src=0)
+        engine.mesh.world.broadcast(nxt, 0, "control")
         ids = torch.cat([ids, nxt], dim=1)
     engine.train()
     return tokenizer.decode(ids[0].tolist())
@@ -276,12 +277,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _gather_ints(value: int, world: int) -> list[int]:
+def _gather_ints(value: int, comm: Comm) -> list[int]:
+    """Every rank's ``value``, in rank order."""
     t = torch.tensor([value], dtype=torch.int64)
-    if world == 1:
-        return [value]
-    out = [torch.zeros_like(t) for _ in range(world)]
-    torch.distributed.all_gather(out, t)
+    out = torch.zeros(comm.size, dtype=torch.int64)
+    comm.all_gather(out, t, "control")
     return [int(x) for x in out]
 
 
@@ -317,7 +317,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     engine = zeal.initialize(model, spec.engine)
     rank, world = engine.rank, engine.world_size
     cfg = load_config(spec.engine)
-    _, micro, accum = cfg.resolve_batch(world)
+    _, micro, accum = cfg.resolve_batch(engine.mesh.dp_size)
     is_main = rank == 0
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -372,7 +372,7 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
             engine.step()
             losses.append(float(loss.detach()))
         tokens_done += tokens_per_step
-        train_loss = _mean_over_ranks([sum(losses) / len(losses)], world)[0]
+        train_loss = _mean_over_ranks([sum(losses) / len(losses)], engine.mesh.dp)[0]
         done = step + 1
         lr = _current_lr(engine)
         elapsed = time.perf_counter() - t0
@@ -401,8 +401,8 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     breakdown = engine.wall_clock_breakdown() if cfg.wall_clock_breakdown else None
     if breakdown:
         say("wall clock breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in breakdown.items()), flush=True)
-    rss = _gather_ints(peak_rss_bytes(), world)
-    rss_before = _gather_ints(rss_before_model, world)
+    rss = _gather_ints(peak_rss_bytes(), engine.mesh.world)
+    rss_before = _gather_ints(rss_before_model, engine.mesh.world)
     summary = {
         "steps": final_step, "start_step": start_step, "world_size": world, "params": n_params,
         "zero_stage": cfg.zero_optimization.stage, "bf16": cfg.bf16.enabled,

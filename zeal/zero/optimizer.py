@@ -24,18 +24,11 @@ from zeal.dist.comm import Comm
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.shard_home import DiskShards, MemoryShards
+from zeal.zero.stages import ZeroStage, resolve_stage
 from zeal.zero.units import FlatUnit
 
 
-def gather_replicated(comm: Comm, units: list[FlatUnit]) -> None:
-    """Stages 1–2: after each rank updated its shard (a view of ``full``), rebuild every
-    unit's full buffer."""
-    works = [comm.all_gather(u.full, u.shard, "param", async_op=True) for u in units]
-    for w in works:
-        w.wait()
-
-
-def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler: LossScaler | None,
+def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
                        clip: float) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
@@ -52,7 +45,7 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler
             return False, float("inf")
     # per-tensor fp32 norms (no full-size temporaries), summed in double
     sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
-    if stage > 0:
+    if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
     norm = math.sqrt(sq)
     if clip > 0:
@@ -66,23 +59,23 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: int, scaler
 class ZeroOptimizer:
     """Owns masters and the inner ``torch.optim`` optimizer (exposed as ``.optimizer``)."""
 
-    def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: int,
+    def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  inner: torch.optim.Optimizer, clip: float, scaler: LossScaler | None,
                  home: MemoryShards | DiskShards | None = None, master_device: torch.device | None = None) -> None:
         self.units = [u for u in units if u.trainable]
-        self.reducer, self.comm, self.stage = reducer, comm, stage
+        self.reducer, self.comm, self.stage = reducer, comm, resolve_stage(stage)
         self.clip, self.scaler = clip, scaler
         self.home = home or MemoryShards()
         self.optimizer = inner
         self.masters: list[nn.Parameter] = []
         for u in self.units:
-            src = u.full if stage == 0 else self.home.get(u)
+            src = self.stage.model_slice(u, self.home)
             device = master_device or src.device
             if u.dtype == torch.float32 and not self.home.on_disk and device == src.device:
                 m = nn.Parameter(src, requires_grad=True)  # shares storage with the model
             else:  # a separate fp32 master (mixed precision, or offloaded)
                 m = nn.Parameter(src.detach().to(device=device, dtype=torch.float32, copy=True), requires_grad=True)
-            if stage > 0:
+            if self.stage.partitions_optimizer:
                 self.home.done(u)
             self.masters.append(m)
         self.last_grad_norm: float | None = None
@@ -110,33 +103,23 @@ class ZeroOptimizer:
             return False
         self.optimizer.step()
         self._drop_grads()
-        self._write_back()
+        self.write_back()
         return True
 
     def _drop_grads(self) -> None:
         for m in self.masters:
             m.grad = None
 
-    @torch.no_grad()
-    def _write_back(self) -> None:
-        for u, m in zip(self.units, self.masters):
-            if self.stage == 0:
-                if m.data_ptr() != u.full.data_ptr():
-                    u.full.copy_(m)
-            elif self.stage in (1, 2):
-                if m.data_ptr() != u.shard.data_ptr():
-                    u.shard.copy_(m)
-            else:
-                self.home.put(u, m)
-        if self.stage in (1, 2):
-            gather_replicated(self.comm, self.units)
+    def write_back(self) -> None:
+        """Put the masters' values into the model (every rank sees the new parameters)."""
+        self.stage.write_back(self.units, self.masters, self.comm, self.home)
 
     def nbytes(self) -> int:
         """Persistent optimizer bytes: separate masters plus optimizer state tensors
         (0-dim tensors such as Adam's step counter are not counted)."""
         total = 0
         for u, m in zip(self.units, self.masters):
-            src = u.full if self.stage == 0 else u.shard
+            src = u.shard if self.stage.partitions_optimizer else u.full
             if m.data_ptr() != src.data_ptr() or self.home.on_disk:
                 total += m.numel() * m.element_size()
             for v in self.optimizer.state.get(m, {}).values():

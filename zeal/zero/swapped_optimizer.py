@@ -20,8 +20,9 @@ from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.offload import CPUAdam, SwappedAdam, check_swap_path
 from zeal.zero.offload.swap import OPTIMIZER_PATH_KEY
-from zeal.zero.optimizer import gather_replicated, unscale_check_clip
+from zeal.zero.optimizer import unscale_check_clip
 from zeal.zero.shard_home import DiskShards, MemoryShards
+from zeal.zero.stages import ZeroStage, gather_replicated, resolve_stage
 from zeal.zero.units import FlatUnit
 
 
@@ -34,7 +35,7 @@ class LrGroups:
 
 
 class SwappedZeroOptimizer:
-    def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: int,
+    def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  opt_type: str, opt_params: dict, clip: float, scaler: LossScaler | None,
                  home: MemoryShards | DiskShards, nvme_path: str, sub_group_size: int, buffer_count: int) -> None:
         if opt_type not in ("Adam", "AdamW"):
@@ -46,7 +47,7 @@ class SwappedZeroOptimizer:
         if bad:
             raise ValueError(f"config key 'optimizer.params.{bad[0]}' is not supported with nvme offload")
         self.units = [u for u in units if u.trainable]
-        self.reducer, self.comm, self.stage, self.home = reducer, comm, stage, home
+        self.reducer, self.comm, self.stage, self.home = reducer, comm, resolve_stage(stage), home
         self.clip, self.scaler = clip, scaler
         self.offsets = []
         total = 0
@@ -79,7 +80,7 @@ class SwappedZeroOptimizer:
         flat = self.reducer.flat_grads(self.units, grads)
         self.last_stats = self.swapped.step(flat.to("cpu"), on_update=self._on_update,
                                             lr=self.optimizer.param_groups[0]["lr"])
-        if self.stage in (1, 2):
+        if not self.stage.partitions_params:  # stages 1-2: rebuild the replicated units
             gather_replicated(self.comm, self.units)
         return True
 
@@ -136,16 +137,9 @@ class SwappedZeroOptimizer:
         self.masters = []
         self.optimizer.state = {}
 
-    @torch.no_grad()
-    def _write_back(self) -> None:
+    def write_back(self) -> None:
         """Push the in-memory masters (inside load_into_memory) into the model's shards."""
-        for u, m in zip(self.units, self.masters):
-            if self.stage == 3:
-                self.home.put(u, m)
-            else:
-                u.shard.copy_(m)
-        if self.stage in (1, 2):
-            gather_replicated(self.comm, self.units)
+        self.stage.write_back(self.units, self.masters, self.comm, self.home)
 
     def nbytes(self) -> int:
         """Optimizer bytes held in memory: the swap buffer pool."""

@@ -19,11 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from zeal.config.schema import ZeroConfig
 from zeal.dist.comm import Comm, Done, all_gather_flat
-from zeal.dist.context import DistContext
+from zeal.dist.mesh import Mesh
 from zeal.dist.quant import dequantize_rows, quantize_rows, quantized_nbytes, quantized_reduce_scatter
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
@@ -31,8 +30,9 @@ from zeal.zero.units import FlatUnit
 
 @dataclass
 class Topology:
-    """Sub-groups of the world: this rank's node (``intra``), the ranks sharing its
-    local index on every node (``inter``) and its hpZ group."""
+    """Sub-groups of the data-parallel group (from the mesh): this rank's node
+    (``intra``), the ranks sharing its position on every node (``inter``) and its hpZ
+    group."""
 
     intra: Comm
     inter: Comm
@@ -40,29 +40,12 @@ class Topology:
     hpz_index: int
 
 
-def build_topology(ctx: DistContext, world: Comm, hpz_size: int) -> Topology:
-    """Create the groups (every rank creates every group, in the same order)."""
-    n, d = ctx.world_size, ctx.local_world_size
-    if n % hpz_size:
-        raise ValueError(f"zero_optimization.zero_hpz_partition_size {hpz_size} does not divide world size {n}")
-    mine: dict[str, tuple[dist.ProcessGroup | None, list[int]]] = {}
-    for node in range(n // d):
-        ranks = list(range(node * d, (node + 1) * d))
-        g = dist.new_group(ranks) if n > 1 else None
-        if ctx.rank in ranks:
-            mine["intra"] = (g, ranks)
-    for local in range(d):
-        ranks = list(range(local, n, d))
-        g = dist.new_group(ranks) if n > 1 else None
-        if ctx.rank in ranks:
-            mine["inter"] = (g, ranks)
-    for start in range(0, n, hpz_size):
-        ranks = list(range(start, start + hpz_size))
-        g = dist.new_group(ranks) if n > 1 else None
-        if ctx.rank in ranks:
-            mine["hpz"] = (g, ranks)
-    comms = {k: Comm(ctx, group=g, ranks=r, stats=world.stats) for k, (g, r) in mine.items()}
-    return Topology(comms["intra"], comms["inter"], comms["hpz"], ctx.rank % hpz_size)
+def topology(mesh: Mesh) -> Topology | None:
+    """The ZeRO++ Comms of ``mesh`` (built when the config asks for ZeRO++), or None when
+    the mesh has none or the data-parallel group is this rank alone."""
+    if "hpz" not in mesh.comms or not mesh.dp.active:
+        return None
+    return Topology(mesh.comm("intra"), mesh.comm("inter"), mesh.comm("hpz"), mesh.hpz_index)
 
 
 class Then:
@@ -84,7 +67,7 @@ class Then:
 class UnitCollectives:
     """The stage-3 gather and gradient-reduce strategies (plain or ZeRO++)."""
 
-    world: Comm
+    world: Comm  # the data-parallel Comm the units are sharded over
     zc: ZeroConfig
     topo: Topology | None = None
     home: MemoryShards | DiskShards = field(default_factory=MemoryShards)
@@ -128,8 +111,7 @@ class UnitCollectives:
         works = [all_gather_flat(all_data, data, group=group, async_op=True),
                  all_gather_flat(all_scales, scales, group=group, async_op=True)]
         sent = quantized_nbytes(u.shard_numel, bits, block)
-        self.world.stats.record("qwz_all_gather", "param", u.padded, sent * (n - 1),
-                                sent * self.world._remote_peers)
+        self.world.record("qwz_all_gather", "param", u.padded, sent * (n - 1), sent * self.world._remote_peers)
 
         def dequantize() -> None:
             full = dequantize_rows(all_data, all_scales, u.shard_numel, bits, block, u.dtype).view(-1)
@@ -152,12 +134,13 @@ class UnitCollectives:
         if not (self.zc.zero_quantized_gradients and self.world.active and self.topo is not None):
             return self.world.reduce_scatter(out, flat, "grad", async_op=True)
         bits, block = self.zc.zero_quantized_gradients_bits, self.zc.zero_quantization_block_size
-        stats, n = self.world.stats, self.world.size
+        n = self.world.size
 
         def record(op: str, group_size: int, nbytes: int) -> None:
-            inter = nbytes if op.startswith("qgz_inter") else 0
+            across = op.startswith("qgz_inter")
             logical = flat.numel() if op.startswith("qgz_intra") else 0  # count Ψ once per reduction
-            stats.record(op, "grad", logical, nbytes, inter)
+            (self.topo.inter if across else self.topo.intra).record(op, "grad", logical, nbytes,
+                                                                    nbytes if across else 0)
 
         mean = quantized_reduce_scatter(flat, self.topo.intra.group, self.topo.inter.group, bits=bits,
                                         block_size=block, record=record)
