@@ -14,6 +14,7 @@ from zeal.inference.engine import EngineConfig, LLMEngine
 from zeal.inference.outputs import RequestOutput
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
+from zeal.utils.paths import cache_dir
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
@@ -25,8 +26,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
         return default_model_path()
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        cache = Path(os.environ.get("ZEAL_CACHE", Path.home() / ".cache" / "zeal"))
-        out = cache / f"{p.stem}-{p.stat().st_size}"
+        out = cache_dir() / f"{p.stem}-{p.stat().st_size}"
         if not (out / "model.safetensors").exists():
             convert_gguf(p, out)
         return out
