@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
@@ -23,19 +24,6 @@ from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import Sequence
 from zeal.inference.tokenizer import Tokenizer
-
-
-@dataclass
-class EngineConfig:
-    """Memory and batching knobs of the engine."""
-
-    block_size: int | None = None  # default: 64 tokens on CPU, 16 on accelerators
-    num_blocks: int | None = None  # default: kv_cache_bytes / bytes per block
-    kv_cache_bytes: int = 512 << 20
-    max_num_batched_tokens: int = 512  # SplitFuse token budget per forward pass
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's context
-    enable_prefix_caching: bool = True
 
 
 @dataclass
