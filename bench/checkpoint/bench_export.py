@@ -35,6 +35,8 @@ def save(d: Path, layers: int, embd: int) -> None:
     import torch
 
     import zeal
+
+    zeal.apply_process_settings()  # huge pages, as `zeal train` does
     from zeal.models.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=50257, n_positions=1024, n_embd=embd, n_layer=layers, n_head=16)

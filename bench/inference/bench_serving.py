@@ -32,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from zeal.inference import SamplingParams  # noqa: E402
 from zeal.inference.engine import EngineConfig, LLMEngine  # noqa: E402
 from zeal.inference.llm import load_model_and_tokenizer  # noqa: E402
+from zeal.utils.process import apply_process_settings  # noqa: E402
+
+apply_process_settings()  # as `zeal serve` does (huge pages), before any tensor
 
 
 @dataclass

@@ -50,6 +50,8 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     import zeal
+
+    zeal.apply_process_settings()  # huge pages, as `zeal train` does
     from zeal.models import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=50257, n_positions=args.seq, n_embd=args.n_embd, n_layer=args.n_layer,

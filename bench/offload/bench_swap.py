@@ -29,7 +29,10 @@ import time
 
 import torch
 
+from zeal.utils.process import apply_process_settings
 from zeal.zero.offload import CPUAdam, SwappedAdam, aligned_empty
+
+apply_process_settings()  # huge pages, as `import zeal` used to set them
 
 GB = 1e9
 

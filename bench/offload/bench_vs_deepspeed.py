@@ -124,6 +124,8 @@ def worker(spec: dict) -> None:
     elif spec["kind"] == "zeal":
         import zeal
 
+        zeal.apply_process_settings()  # huge pages, as `zeal train` does
+
         engine = zeal.initialize((lambda: GPT(cfg)) if stage == 3 else GPT(cfg), config)
     else:
         import deepspeed

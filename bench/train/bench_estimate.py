@@ -77,6 +77,8 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
 
     import zeal
+
+    zeal.apply_process_settings()  # huge pages, as `zeal train` does
     from zeal.models import GPT, GPTConfig
 
     dist.init_process_group("gloo")

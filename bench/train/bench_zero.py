@@ -115,6 +115,8 @@ def worker(spec: dict) -> None:
     elif kind == "zeal":
         import zeal
 
+        zeal.apply_process_settings()  # huge pages, as `zeal train` does
+
         zcfg = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1,

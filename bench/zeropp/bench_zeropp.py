@@ -50,7 +50,10 @@ VARIANTS = {
 
 def _setup(steps: int, micro: int, lws: int, precision: str, zeropp: dict, persistence: int | None):
     """(spec, engine config) of the default `zeal train` job with these overrides."""
-    from zeal.train.job import JobSection, JobSpec, merge_engine_config, resolve_precision
+    from zeal.config.job import JobSection, JobSpec, merge_engine_config, resolve_precision
+    from zeal.utils.process import apply_process_settings
+
+    apply_process_settings()  # as `zeal train` does (huge pages), before any tensor
 
     job = JobSection(steps=steps, nproc=1, checkpoint=False, precision=precision)
     zo: dict = {"stage": 3, **zeropp}

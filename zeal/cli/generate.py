@@ -51,12 +51,14 @@ def run(args: argparse.Namespace) -> int:
     from tokenizers import Tokenizer
 
     import zeal
-    from zeal.train.job import build_model, read_spec, sample
+    from zeal.config.job import read_spec
+    from zeal.train.job import build_model, sample
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     run_dir, ckpts, tag = locate(args.checkpoint, args.tag)
     spec = read_spec(run_dir / "config.json")
+    zeal.apply_process_settings(spec.process)  # as the job ran
     tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
     model = build_model(spec, tokenizer.get_vocab_size())
     engine_cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0},

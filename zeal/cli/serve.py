@@ -1,20 +1,34 @@
-"""``zeal serve [PATH]``: the OpenAI-compatible server (default model: SmolLM2-135M-Instruct)."""
+"""``zeal serve [PATH]``: the OpenAI-compatible server (default model: SmolLM2-135M-Instruct).
+
+Every flag is a field of the ``inference`` config section
+(:class:`zeal.config.inference.InferenceConfig`): its name, type, default and help
+come from there, so each default is stated once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import types
+import typing
+from typing import Any
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16", "auto": "auto"}
+from pydantic import BaseModel, ValidationError
 
+from zeal.config.inference import DTYPE_NAMES, InferenceConfig
+from zeal.utils.hardware import cpu_has_native_bf16
 
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU multiplies bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm BF16)."""
-    from zeal.inference.kernels import cpu_flags
+DTYPES = DTYPE_NAMES  # the accepted --dtype spellings
 
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+# Flags whose spelling is not the field name: path -> (flag, scale of the value given on the command line).
+_FLAG_NAMES: dict[str, tuple[str, int]] = {
+    "engine.kv_cache_bytes": ("--kv-cache-mb", 1 << 20),
+    "engine.enable_prefix_caching": ("--no-prefix-caching", 1),
+    "process.num_threads": ("--threads", 1),
+    "process.transparent_hugepages": ("--no-transparent-hugepages", 1),
+}
+_UNITS = {1 << 20: "MB"}
 
 
 def resolve_dtype(name: str, device: str) -> str:
@@ -30,28 +44,71 @@ def resolve_dtype(name: str, device: str) -> str:
     return "bfloat16" if device == "cpu" and cpu_has_native_bf16() else "float32"
 
 
+def _leaves(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, Any]]:
+    """``(dotted path, FieldInfo)`` of every leaf field, sections walked depth first."""
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _leaves(ann, f"{prefix}{name}.")
+        else:
+            yield prefix + name, info
+
+
+def _scalar_type(ann: Any) -> Any:
+    """``int | None`` -> int; a Literal stays as it is."""
+    if typing.get_origin(ann) in (typing.Union, types.UnionType):
+        ann = next(a for a in typing.get_args(ann) if a is not type(None))
+    return ann
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="HF folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
-    p.add_argument("--served-model-name", default=None, help="model id reported by /v1/models")
-    p.add_argument("--dtype", default="auto", choices=sorted(DTYPES),
-                   help="weights and compute; auto (default): bfloat16 where the CPU/GPU computes it natively, "
-                        "else float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per KV-cache block (default: 64 on CPU, 16 on accelerators)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: from --kv-cache-mb)")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV-cache memory when --num-blocks is not given")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="SplitFuse token budget per forward pass")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per forward pass")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + completion tokens")
-    p.add_argument("--max-waiting", type=int, default=256, help="bounded waiting queue; beyond it: HTTP 429")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--log-level", default="info")
+    """One flag per leaf of :class:`InferenceConfig` (the model path is the positional argument).
+    Flags default to None: a flag not given leaves the config's default in place."""
+    for path, info in _leaves(InferenceConfig):
+        desc = (info.description or "").rstrip(".")
+        if path == "model":
+            p.add_argument("model", nargs="?", default=None, help=desc)
+            continue
+        flag, scale = _FLAG_NAMES.get(path, ("--" + path.rsplit(".", 1)[-1].replace("_", "-"), 1))
+        ann = _scalar_type(info.annotation)
+        if ann is bool:
+            if info.default and not flag.startswith("--no-"):
+                raise TypeError(f"{path}: a flag that turns off a default-on switch needs a --no- name")
+            p.add_argument(flag, dest=path, action="store_const", const=not info.default, default=None,
+                           help=f"turn {'off' if info.default else 'on'}: {desc[:1].lower()}{desc[1:]}")
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+        kwargs: dict[str, Any] = {"dest": path, "default": None, "help": desc,
+                                  "metavar": _UNITS[scale] if scale != 1 else leaf.upper()}
+        if info.default is not None:
+            kwargs["help"] += f" (default: {info.default if scale == 1 else info.default // scale})"
+        if typing.get_origin(ann) is typing.Literal:
+            kwargs["choices"] = sorted(typing.get_args(ann))
+            del kwargs["metavar"]
+        elif ann in (int, float):
+            kwargs["type"] = ann
+        p.add_argument(flag, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> InferenceConfig:
+    """The validated ``inference`` section: the flags given over the section's defaults."""
+    tree: dict[str, Any] = {}
+    for path, _ in _leaves(InferenceConfig):
+        value = getattr(args, path, None)
+        if value is None:
+            continue
+        scale = _FLAG_NAMES.get(path, ("", 1))[1]
+        node = tree
+        *heads, leaf = path.split(".")
+        for h in heads:
+            node = node.setdefault(h, {})
+        node[leaf] = value * scale if scale != 1 else value
+    try:
+        return InferenceConfig.model_validate(tree)
+    except ValidationError as e:
+        from zeal.config import format_validation_error
+
+        raise ValueError(format_validation_error(e)) from None
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -63,45 +120,53 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def build(args: argparse.Namespace):
+def build(cfg: InferenceConfig | argparse.Namespace):
     """Load the model and return ``(app, model_name)``."""
     from pathlib import Path
 
     import torch
 
     from zeal.inference.async_engine import AsyncEngine
-    from zeal.inference.engine import EngineConfig, LLMEngine
+    from zeal.inference.engine import LLMEngine
     from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
     from zeal.inference.server import build_app
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
-    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, resolve_dtype(args.dtype, args.device)), args.device)
-    cfg = EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_mb << 20,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                       max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
-    engine = LLMEngine(model, tok, cfg, eos)
-    name = args.served_model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
-    return build_app(AsyncEngine(engine, args.max_waiting), name, args.api_key), name
+    if isinstance(cfg, argparse.Namespace):
+        cfg = config_from_args(cfg)
+    path = resolve_model_path(cfg.model)
+    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, resolve_dtype(cfg.dtype, cfg.device)), cfg.device)
+    engine = LLMEngine(model, tok, cfg.engine, eos)
+    srv = cfg.server
+    name = srv.served_model_name or (Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct")
+    return build_app(AsyncEngine(engine, srv.max_waiting), name, srv.api_key, srv.limits), name
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted (Ctrl-C cancels requests in flight and exits cleanly)."""
+    from zeal.utils.process import apply_process_settings
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"zeal serve: {e}", file=sys.stderr)
+        return 2
+    apply_process_settings(cfg.process)  # before the model is loaded: torch reads THP at its first allocation
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    srv = cfg.server
+    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app, name = build(args)
+        app, name = build(cfg)
     except (FileNotFoundError, ValueError) as e:
         print(f"zeal serve: {e}", file=sys.stderr)
         return 2
-    print(f"zeal serve: {name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    print(f"zeal serve: {name} on http://{srv.host}:{srv.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, timeout_graceful_shutdown=5)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m zeal.cli.serve``: the same as ``zeal serve``."""
     p = argparse.ArgumentParser(prog="zeal serve", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -1,7 +1,7 @@
 """`zeal train`: build a job spec from defaults, a config file and flags; run it.
 
 Precedence, lowest first: the default job, ``--config`` (DeepSpeed JSON/YAML: engine
-keys go to the engine, ``model``/``data``/``job`` sections go to the job), the named
+keys go to the engine, ``model``/``data``/``job``/``process`` sections go to the job), the named
 flags, then dotted overrides (``--model.n_layer 8``, ``--job.eval_interval 50``,
 ``--zero_optimization.stage 2``, ``--optimizer.params.lr 1e-3``). With more than one
 process and no torch.distributed environment, the command prepares the data once
@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from zeal.cli.overrides import UsageError, load_mapping, parse_dotted, set_path
 
-JOB_SECTIONS = ("model", "data", "job")
+JOB_SECTIONS = ("model", "data", "job", "process")
 SMOLLM2_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
 
 EXAMPLES = """examples:
@@ -66,10 +66,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     """The validated JobSpec for these arguments (raises UsageError / ValueError)."""
     from zeal.config import load_config
+    from zeal.config.job import JobSection, JobSpec, check_spec, merge_engine_config, resolve_precision
     from zeal.config.schema import Config
-    from zeal.train.job import JobSection, JobSpec, merge_engine_config
 
-    tree: dict[str, Any] = {"model": {}, "data": {}, "job": {}, "engine": {}}
+    tree: dict[str, Any] = {"model": {}, "data": {}, "job": {}, "process": {}, "engine": {}}
     if args.config:
         for key, value in load_mapping(args.config).items():
             if key in JOB_SECTIONS:
@@ -108,7 +108,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
             set_path(tree["engine"], path, value)
         else:
             raise UsageError(f"unknown flag --{'.'.join(path)} (see zeal train --help; dotted flags start "
-                             f"with model., data., job. or an engine config key)")
+                             f"with model., data., job., process. or an engine config key)")
     if tree["job"].get("resume"):
         _inherit_from_run(tree, JobSection)
     if tree["job"].get("hf_model") in SMOLLM2_NAMES:
@@ -127,8 +127,6 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         spec = JobSpec.model_validate({**tree, "engine": merge_engine_config(job, tree["engine"])})
     except ValidationError as e:
         raise UsageError(_one_line(e)) from None
-    from zeal.train.job import check_spec, resolve_precision
-
     check_spec(spec)
     spec = resolve_precision(spec)
     cfg = load_config(spec.engine)  # raises ConfigError naming the key
@@ -162,7 +160,8 @@ def _inherit_from_run(tree: dict[str, Any], job_section: Any) -> None:
 
 
 def _example_key(section: str) -> str:
-    return {"model": "n_layer", "data": "seq_len", "job": "steps", "engine": "gradient_clipping"}[section]
+    return {"model": "n_layer", "data": "seq_len", "job": "steps", "process": "num_threads",
+            "engine": "gradient_clipping"}[section]
 
 
 def _one_line(e: ValidationError, prefix: str = "") -> str:
@@ -175,7 +174,7 @@ def _one_line(e: ValidationError, prefix: str = "") -> str:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         got = "" if err["type"] == "extra_forbidden" else f" (got {err.get('input')!r})"
         parts.append(f"'{loc}': {msg}{got}")
-    return "; ".join(p if p.startswith(("model.", "data.", "job.")) else "bad setting " + p for p in parts)
+    return "; ".join(p if p.startswith(("model.", "data.", "job.", "process.")) else "bad setting " + p for p in parts)
 
 
 def in_distributed_env() -> bool:
@@ -185,12 +184,17 @@ def in_distributed_env() -> bool:
 
 def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     """Run ``zeal train``."""
-    from zeal.train.job import prepare_data, read_spec, run_job, write_spec
+    from zeal.config.job import read_spec, write_spec
+    from zeal.utils.process import apply_process_settings
 
     if args.spec:
         spec = read_spec(args.spec)
     else:
         spec = build_spec(args, extra or [])
+    # before any tensor is allocated (torch reads THP at its first allocation); ranks inherit the environment
+    apply_process_settings(spec.process)
+    from zeal.train.job import prepare_data, run_job
+
     if spec.job.nproc > 1 and not in_distributed_env():
         return _relaunch(spec, prepare_data, write_spec)
     run_job(spec)

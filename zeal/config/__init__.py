@@ -1,4 +1,13 @@
-"""One typed, validated configuration tree (pydantic v2, unknown keys refused)."""
+"""One typed, validated configuration tree (pydantic v2, unknown keys refused).
+
+Its sections, each a model with a description on every field:
+
+* :class:`Config` (``schema.py``): the training engine, in DeepSpeed's JSON keys;
+* :class:`JobSpec` (``job.py``): a ``zeal train`` job: ``model``, ``data``, ``job``,
+  ``engine`` (a :class:`Config` as written) and ``process``;
+* :class:`InferenceConfig` (``inference.py``): ``zeal serve`` and the serving engine;
+* :class:`ProcessConfig` (``process.py``): process-wide settings, shared by both commands.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +20,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from zeal.config.ds_compat import translate
+from zeal.config.inference import InferenceConfig
+from zeal.config.job import JobSpec
+from zeal.config.process import ProcessConfig
 from zeal.config.schema import Config, ZeroConfig
 
-__all__ = ["Config", "ZeroConfig", "ConfigError", "load_config"]
+__all__ = ["Config", "ZeroConfig", "ConfigError", "InferenceConfig", "JobSpec", "ProcessConfig", "load_config"]
 
 log = logging.getLogger("zeal")
 

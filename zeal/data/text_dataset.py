@@ -20,7 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from zeal.data.corpus import EOT, Corpus
-from zeal.data.tokenizer import build_once, cache_dir, tokenizer_sha256
+from zeal.data.tokenizer import build_once, tokenizer_sha256
+from zeal.utils.paths import cache_dir
 
 
 def encode_corpus(corpus: Corpus, tokenizer: Tokenizer) -> np.ndarray:

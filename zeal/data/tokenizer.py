@@ -20,15 +20,10 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from zeal.data.corpus import EOT, Corpus
+from zeal.utils.paths import cache_dir
 
 TOKENIZER_FORMAT = 1
 """Bumped when the training recipe changes, so old cache entries are not reused."""
-
-
-def cache_dir() -> Path:
-    """Root of zeal's caches: ``$ZEAL_CACHE``, else ``~/.cache/zeal`` (shared with zeal.models.hf)."""
-    root = os.environ.get("ZEAL_CACHE") or Path.home() / ".cache" / "zeal"
-    return Path(root)
 
 
 def build_once(path: Path, build: Callable[[Path], None], timeout_s: float = 900.0) -> Path:

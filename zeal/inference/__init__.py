@@ -8,5 +8,7 @@ from zeal.inference.engine import EngineConfig, LLMEngine
 from zeal.inference.llm import LLM, generate_text
 from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.sleep import EngineAsleepError
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "generate_text"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineAsleepError",
+           "generate_text"]

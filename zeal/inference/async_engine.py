@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from zeal.inference.engine import LLMEngine
 from zeal.inference.outputs import RequestOutput
 from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.sleep import EngineAsleepError
 
 log = logging.getLogger("zeal.serve")
 
@@ -119,7 +120,7 @@ class AsyncEngine:
                     return  # aborted before it reached the engine
                 try:
                     self.engine.add_request(rid, prompt_ids, params)
-                except ValueError as e:
+                except (ValueError, EngineAsleepError) as e:  # the request's own failure (400 / 503)
                     error = e
             if error is not None:
                 self._deliver(rid, error)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
@@ -22,20 +23,8 @@ from zeal.inference.sampler import sample
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import Sequence
+from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.tokenizer import Tokenizer
-
-
-@dataclass
-class EngineConfig:
-    """Memory and batching knobs of the engine."""
-
-    block_size: int | None = None  # default: 64 tokens on CPU, 16 on accelerators
-    num_blocks: int | None = None  # default: kv_cache_bytes / bytes per block
-    kv_cache_bytes: int = 512 << 20
-    max_num_batched_tokens: int = 512  # SplitFuse token budget per forward pass
-    max_num_seqs: int = 64
-    max_model_len: int | None = None  # default: the model's context
-    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -74,10 +63,16 @@ class LLMEngine:
         self.metrics = EngineMetrics()
         self._seq_ids = itertools.count()
         self.last_stats = StepStats()
+        self._sleep_level = 0  # 0 = awake
+        self._kv_released = Released()
+        self._weights_released = Released()
+        self._weights_discarded = False  # sleep(level=2) until load_weights
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ``ValueError`` for one that could never run."""
+        """Queue a request. Raises ``ValueError`` for one that could never run and
+        :class:`EngineAsleepError` while the engine sleeps."""
+        self._check_awake()
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -132,14 +127,67 @@ class LLMEngine:
         return self.scheduler.num_running
 
     def load_weights(self, named_tensors) -> int:
-        """New weights in place (RLHF); cached prefixes were computed with the old ones, so drop them."""
+        """New weights in place (RLHF); cached prefixes were computed with the old ones, so drop them.
+        Allowed while asleep: weights released by :meth:`sleep` come back first (the KV cache
+        stays released until :meth:`wake_up`)."""
+        restore(self._weights_released)
         n = self.runner.load_weights(named_tensors)
+        self._weights_discarded = False
         self.bm.reset_prefix_cache()
         return n
+
+    # ------------------------------------------------------------ sleep / wake
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory between phases (as vLLM's ``sleep``). Level 1 frees the
+        KV cache and forgets every cached prefix; the weights stay, or go to host memory
+        when they live on an accelerator. Level 2 frees the KV cache and discards the
+        weights: :meth:`load_weights` must give new ones before generating again.
+        Refused while requests are unfinished; :meth:`wake_up` takes the memory back."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._sleep_level:
+            raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.requests or self.scheduler.has_unfinished():
+            raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): let them finish "
+                               "or abort them first")
+        self.bm.reset_prefix_cache()  # the cached blocks' contents are about to be gone
+        self._kv_released = release([*self.runner.k_cache, *self.runner.v_cache])
+        params = list(self.runner.model.parameters())
+        if level == 2:
+            self._weights_released = release(params)
+            self._weights_discarded = True
+        elif self.runner.device.type != "cpu":
+            self._weights_released = release(params, keep_on_host=True)
+        self._sleep_level = level
+
+    def wake_up(self) -> None:
+        """Re-allocate what :meth:`sleep` released: the same KV cache (empty), and the
+        weights offloaded by level 1. A no-op when awake."""
+        restore(self._weights_released)
+        restore(self._kv_released, zero=True)
+        self._sleep_level = 0
+
+    def is_sleeping(self) -> bool:
+        """Whether :meth:`sleep` released the memory and :meth:`wake_up` has not taken it back."""
+        return self._sleep_level > 0
+
+    @property
+    def sleep_level(self) -> int:
+        """0 awake, else the level given to :meth:`sleep`."""
+        return self._sleep_level
+
+    def _check_awake(self) -> None:
+        if self._sleep_level:
+            raise EngineAsleepError(f"the engine is asleep (sleep level {self._sleep_level}): call wake_up() "
+                                    "before generating")
+        if self._weights_discarded:
+            raise EngineAsleepError("the weights were discarded by sleep(level=2): call load_weights(...) "
+                                    "before generating")
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         """One forward pass. Returns an output for every request that progressed or ended."""
+        self._check_awake()
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
         touched: dict[str, _Request] = {}

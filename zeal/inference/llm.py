@@ -14,6 +14,7 @@ from zeal.inference.engine import EngineConfig, LLMEngine
 from zeal.inference.outputs import RequestOutput
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
+from zeal.utils.paths import cache_dir
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
@@ -25,8 +26,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
         return default_model_path()
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        cache = Path(os.environ.get("ZEAL_CACHE", Path.home() / ".cache" / "zeal"))
-        out = cache / f"{p.stem}-{p.stat().st_size}"
+        out = cache_dir() / f"{p.stem}-{p.stat().st_size}"
         if not (out / "model.safetensors").exists():
             convert_gguf(p, out)
         return out
@@ -116,8 +116,22 @@ class LLM:
         return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
 
     def load_weights(self, named_tensors) -> int:
-        """Copy new weights into the model in place (see ``ModelRunner.load_weights``)."""
+        """Copy new weights into the model in place (see ``ModelRunner.load_weights``);
+        allowed while asleep (the RLHF pattern: ``sleep()``, train, ``load_weights``, ``wake_up()``)."""
         return self.engine.load_weights(named_tensors)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1; weights on an accelerator go to host memory) or the KV
+        cache and the weights (level 2) until :meth:`wake_up`; see :meth:`LLMEngine.sleep`."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Take back the memory :meth:`sleep` released."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine's memory is released."""
+        return self.engine.is_sleeping()
 
 
 def generate_text(model_path: str | None, prompts: list[str], max_tokens: int = 64, temperature: float = 0.0,

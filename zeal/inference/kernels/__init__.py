@@ -20,27 +20,15 @@ from pathlib import Path
 
 import torch
 
+from zeal.utils.hardware import cpu_flags
+from zeal.utils.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 STALE_LOCK_S = 600.0  # a build takes well under a minute; an older lock was abandoned
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags (x86 ``flags``, Arm ``Features``) from ``/proc/cpuinfo``;
-    empty where it can't be read."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[-1].split())
-    return flags
 
 
 def _cpu_signature() -> str:
@@ -55,8 +43,6 @@ def _build_name() -> str:
 
 def _load() -> object:
     from torch.utils.cpp_extension import load
-
-    from zeal.data.tokenizer import cache_dir
 
     name = _build_name()
     build_dir = cache_dir() / "kernels" / name

@@ -1,0 +1,78 @@
+"""The one configuration tree: every field described, unknown keys refused, and
+``zeal serve``'s flags derived from the ``inference`` section (one default each)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from zeal.config import Config, InferenceConfig, JobSpec, ProcessConfig
+from zeal.config.inference import EngineConfig, ServerLimits
+
+pytestmark = pytest.mark.timeout(60)
+ROOTS = (Config, JobSpec, InferenceConfig)
+
+
+def _sections(model: type[BaseModel], seen: set | None = None):
+    seen = set() if seen is None else seen
+    if model in seen:
+        return
+    seen.add(model)
+    yield model
+    for info in model.model_fields.values():
+        for t in (info.annotation, *getattr(info.annotation, "__args__", ())):
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                yield from _sections(t, seen)
+
+
+@pytest.mark.parametrize("root", ROOTS, ids=lambda r: r.__name__)
+def test_every_field_is_described_and_unknown_keys_are_refused(root):
+    for section in _sections(root):
+        assert section.model_config.get("extra") == "forbid", section.__name__
+        missing = [n for n, f in section.model_fields.items() if not f.description]
+        assert not missing, f"{section.__name__}: no description on {missing}"
+
+
+def test_job_and_inference_share_the_process_section():
+    assert JobSpec.model_fields["process"].annotation is ProcessConfig
+    assert InferenceConfig.model_fields["process"].annotation is ProcessConfig
+    assert ProcessConfig().transparent_hugepages  # `zeal train` and `zeal serve` keep huge pages on
+    with pytest.raises(ValidationError, match="num_thread"):
+        JobSpec.model_validate({"process": {"num_thread": 2}})
+    with pytest.raises(ValidationError):
+        InferenceConfig.model_validate({"engine": {"max_num_seqs": 0}})
+
+
+def _serve_args(argv: list[str]):
+    from zeal.cli.main import build_parser
+    from zeal.cli.serve import config_from_args
+
+    parser, _ = build_parser("serve")
+    return config_from_args(parser.parse_args(["serve", *argv]))
+
+
+def test_serve_flags_come_from_the_inference_section(capsys):
+    from zeal.cli.main import main
+    from zeal.cli.serve import _leaves
+
+    assert _serve_args([]) == InferenceConfig()  # no flag: the section's defaults, stated once
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    flags = ["--host", "--port", "--api-key", "--served-model-name", "--dtype", "--device", "--block-size",
+             "--num-blocks", "--kv-cache-mb", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len",
+             "--max-waiting", "--no-prefix-caching", "--threads", "--log-level", "--no-transparent-hugepages"]
+    for flag in flags:
+        assert flag in out, flag
+    assert len([p for p, _ in _leaves(InferenceConfig)]) == len(flags) + 1 + 4  # + model, limits (3), malloc
+    assert "(default: 512)" in out and "(default: 8000)" in out
+    cfg = _serve_args(["m", "--kv-cache-mb", "64", "--no-prefix-caching", "--threads", "3", "--port", "9",
+                       "--dtype", "bf16", "--max-waiting", "5", "--max-n", "2"])
+    assert cfg.model == "m" and cfg.dtype == "bf16" and cfg.server.port == 9 and cfg.server.max_waiting == 5
+    assert cfg.engine == EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    assert cfg.process.num_threads == 3 and cfg.server.limits == ServerLimits(max_n=2)
+
+
+def test_bad_serve_values_name_the_key():
+    with pytest.raises(ValueError, match="engine.max_num_seqs"):
+        _serve_args(["--max-num-seqs", "0"])

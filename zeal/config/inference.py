@@ -1,0 +1,71 @@
+"""The ``inference`` section of the configuration tree: what ``zeal serve`` and
+``zeal.inference.LLM`` can be told. ``zeal serve``'s flags are derived from these
+fields (name, type, default and help), so each default is stated here once."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from zeal.config.process import ProcessConfig
+from zeal.config.schema import Section
+
+# accepted spellings of the model's dtype -> torch dtype name ("auto" is resolved by the command)
+DTYPE_NAMES: dict[str, str] = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+                               "float16": "float16", "fp16": "float16", "auto": "auto"}
+DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+class EngineConfig(Section):
+    """KV-cache memory and batching of the serving engine (block manager and scheduler)."""
+
+    block_size: int | None = Field(
+        None, ge=1, description="Tokens per KV-cache block; None = 64 on CPU (decode attention runs one small "
+        "matmul per block, so larger blocks amortise them), 16 on accelerators.")
+    num_blocks: int | None = Field(None, ge=1, description="KV-cache blocks; None = kv_cache_bytes / bytes per block.")
+    kv_cache_bytes: int = Field(512 << 20, ge=1, description="KV-cache memory when num_blocks is not given.")
+    max_num_batched_tokens: int = Field(512, ge=1, description="SplitFuse token budget per forward pass.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences per forward pass.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Cap on prompt + completion tokens; None = the model's context.")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV blocks of a prompt prefix computed before (chained block hashes).")
+
+
+class ServerLimits(Section):
+    """Bounds applied to each HTTP request before it is queued."""
+
+    max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body, in bytes (beyond: HTTP 413).")
+    max_n: int = Field(16, ge=1, description="Largest 'n' (completions per prompt) a request may ask for.")
+    max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request.")
+
+
+class ServerConfig(Section):
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind.")
+    api_key: str | None = Field(
+        None, description="Require 'Authorization: Bearer KEY' on every route but /health; None = open.")
+    served_model_name: str | None = Field(
+        None, description="Model id reported by /v1/models; None = the model folder's name.")
+    max_waiting: int = Field(256, ge=0, description="Bounded waiting queue; beyond it: HTTP 429.")
+    log_level: str = Field("info", description="Log level of zeal and uvicorn (debug, info, warning, error).")
+    limits: ServerLimits = Field(default_factory=ServerLimits, description="Per-request bounds.")
+
+
+class InferenceConfig(Section):
+    """Everything ``zeal serve`` takes: the model, the engine, the server, the process."""
+
+    model: str | None = Field(
+        None, description="HF folder (config.json + safetensors) or .gguf file; None = the embedded "
+        "SmolLM2-135M-Instruct.")
+    dtype: DType = Field(
+        "auto", description="Weights and compute; auto: bfloat16 where the CPU/GPU computes it natively, "
+        "else float32 (float16 on a GPU without bf16).")
+    device: str = Field("cpu", description="torch device of the weights and the KV cache.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="KV cache and batching.")
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The HTTP server.")
+    process: ProcessConfig = Field(
+        default_factory=ProcessConfig, description="Process-wide settings (huge pages, CPU threads, malloc).")

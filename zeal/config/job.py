@@ -1,0 +1,164 @@
+"""The job sections of the configuration tree: what ``zeal train`` trains on what.
+
+A job spec (:class:`JobSpec`) has five sections. ``model``, ``data``, ``job`` and
+``process`` are validated here; ``engine`` is a DeepSpeed-style config kept as
+written and validated by :func:`zeal.config.load_config` when the engine is built
+(so DeepSpeed spellings are translated in one place, ``ds_compat.py``). The
+default spec is ``zeal train`` with no arguments: a ~1.3M-parameter GPT trained
+from scratch on the standard-library corpus, on 2 processes, ZeRO stage 3, bf16
+where the hardware computes it natively.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from zeal.config.process import ProcessConfig
+from zeal.config.schema import Section
+
+
+class ModelSection(Section):
+    """Shape of the zeal GPT trained from scratch (ignored with ``job.hf_model``)."""
+
+    n_layer: int = Field(4, ge=1, description="Transformer blocks.")
+    n_embd: int = Field(128, ge=8, description="Hidden size; divisible by n_head.")
+    n_head: int = Field(4, ge=1, description="Attention heads.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSection:
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd {self.n_embd} is not divisible by model.n_head {self.n_head}")
+        return self
+
+
+class DataSection(Section):
+    """Where the text comes from and how it is cut."""
+
+    path: str | None = Field(None, description="A .txt or .jsonl file; None = the standard-library corpus.")
+    max_bytes: int = Field(4_000_000, ge=1000, description="Cap on the standard-library corpus, in bytes.")
+    vocab_size: int = Field(4096, ge=258, description="BPE vocabulary trained on the corpus (from-scratch jobs).")
+    seq_len: int = Field(128, ge=2, description="Tokens per training block.")
+    heldout_fraction: float = Field(0.05, gt=0, lt=1, description="Share of blocks kept for held-out loss.")
+    seed: int = Field(1234, description="Seed of the train / held-out split and of the batch order.")
+
+
+class JobSection(Section):
+    """The loop: length, processes, outputs."""
+
+    steps: int = Field(400, ge=0, description="Optimizer steps to reach (a resumed job continues up to it).")
+    nproc: int = Field(2, ge=1, description="Processes to run on (re-executes under torchrun when > 1).")
+    run_dir: str = Field("runs/default", description="Folder for metrics, plots, samples and checkpoints.")
+    resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir/checkpoints.")
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="auto = bf16 if the CPU/GPU runs it natively, else fp32 (sets the engine's bf16.enabled).")
+    hf_model: str | None = Field(None, description="A Hugging Face folder to fine-tune instead of a fresh GPT.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the default optimizer.")
+    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps of the default schedule.")
+    eval_interval: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = before/after only).")
+    eval_batches: int = Field(8, ge=1, description="Held-out micro-batches per rank per evaluation.")
+    save_interval: int = Field(200, ge=0, description="Checkpoint every N steps (0 = at the end only).")
+    checkpoint: bool = Field(True, description="Write checkpoints at all (false for throwaway runs).")
+    log_interval: int = Field(10, ge=1, description="Progress lines every N steps when not on a terminal.")
+    sample_prompt: str = Field("def ", description="Prompt of the sample generated at the end.")
+    sample_tokens: int = Field(64, ge=0, description="Tokens generated for the final sample (0 = none).")
+    temperature: float = Field(0.8, ge=0, description="Sampling temperature of the final sample.")
+    top_k: int = Field(40, ge=0, description="Top-k of the final sample (0 = off).")
+
+
+class JobSpec(Section):
+    """A whole training job: the job sections plus the engine config (DeepSpeed keys)."""
+
+    model: ModelSection = Field(default_factory=ModelSection, description="The GPT trained from scratch.")
+    data: DataSection = Field(default_factory=DataSection, description="Training text and how it is cut.")
+    job: JobSection = Field(default_factory=JobSection, description="The training loop and its outputs.")
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="Engine config, DeepSpeed JSON keys (validated as zeal.Config).")
+    process: ProcessConfig = Field(
+        default_factory=ProcessConfig, description="Process-wide settings (huge pages, CPU threads, malloc).")
+
+
+def check_spec(spec: JobSpec) -> None:
+    """Checks that need the file system, done before any process is started."""
+    if spec.data.path and not Path(spec.data.path).is_file():
+        raise ValueError(f"data.path {spec.data.path!r} is not a file")
+    if spec.job.hf_model:
+        folder = Path(spec.job.hf_model)
+        for name in ("config.json", "tokenizer.json"):
+            if not (folder / name).is_file():
+                raise ValueError(f"job.hf_model {spec.job.hf_model!r} has no {name} (a Hugging Face model folder "
+                                 "with a fast tokenizer is needed)")
+
+
+def default_engine_config(job: JobSection) -> dict[str, Any]:
+    """Engine settings of the default job: ZeRO-3, AdamW with warm-up + cosine decay, clipping 1."""
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": job.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": max(1, job.steps), "warmup_num_steps": min(job.warmup_steps, max(0, job.steps - 1)),
+            "warmup_min_ratio": 0.0, "cos_min_ratio": 0.1}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10**9,
+        "seed": 1234,
+    }
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def merge_engine_config(job: JobSection, user: dict[str, Any]) -> dict[str, Any]:
+    """The default engine config overlaid with the user's: sections merge key by key,
+    except ``optimizer`` and ``scheduler`` (a user's one replaces the default whole)
+    and the batch keys (a user giving any of them drops the defaults' others, so
+    DeepSpeed's "any two give the third" holds)."""
+    out = default_engine_config(job)
+    if any(k in user for k in _BATCH_KEYS):
+        for k in _BATCH_KEYS:
+            out.pop(k, None)
+    return _deep_merge(out, user, replace=("optimizer", "scheduler"))
+
+
+def _deep_merge(base: dict, over: dict, replace: tuple[str, ...] = ()) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in replace:
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def resolve_precision(spec: JobSpec) -> JobSpec:
+    """Set the engine's ``bf16.enabled`` from ``job.precision`` unless the engine
+    config already decides it (``bf16.enabled`` true/false or fp16 enabled)."""
+    from zeal.utils.hardware import native_bf16
+
+    engine = copy.deepcopy(spec.engine)
+    bf16 = engine.get("bf16") if isinstance(engine.get("bf16"), dict) else {}
+    fp16_on = isinstance(engine.get("fp16"), dict) and engine["fp16"].get("enabled") is True
+    if bf16.get("enabled") in (None, "auto") and not fp16_on:
+        want = spec.job.precision == "bf16" or (spec.job.precision == "auto" and native_bf16())
+        engine["bf16"] = {**bf16, "enabled": want}
+    return spec.model_copy(update={"engine": engine})
+
+
+def write_spec(spec: JobSpec, path: Path) -> None:
+    """Write the resolved spec as JSON (what child processes and `zeal generate` read)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(spec.model_dump(), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_spec(path: str | Path) -> JobSpec:
+    """A spec written by ``write_spec``."""
+    return JobSpec.model_validate_json(Path(path).read_text())
