@@ -110,7 +110,7 @@ class ZeroOptimizer:
             return False
         self.optimizer.step()
         self._drop_grads()
-        self._write_back()
+        self.write_back()
         return True
 
     def _drop_grads(self) -> None:
@@ -118,7 +118,8 @@ class ZeroOptimizer:
             m.grad = None
 
     @torch.no_grad()
-    def _write_back(self) -> None:
+    def write_back(self) -> None:
+        """Push the masters into the model's storage (all-gathers the units at stages 1–2)."""
         for u, m in zip(self.units, self.masters):
             if self.stage == 0:
                 if m.data_ptr() != u.full.data_ptr():

@@ -137,7 +137,7 @@ class SwappedZeroOptimizer:
         self.optimizer.state = {}
 
     @torch.no_grad()
-    def _write_back(self) -> None:
+    def write_back(self) -> None:
         """Push the in-memory masters (inside load_into_memory) into the model's shards."""
         for u, m in zip(self.units, self.masters):
             if self.stage == 3:

@@ -86,8 +86,9 @@ def _write(rank: int, world: int, stage: int, root: str) -> dict:
 
 def main() -> None:
     sys.path.insert(0, str(HERE.parents[2]))
-    from tests.dist_harness import run_ranks
     from tests.train.test_checkpoint import assemble  # the format-1 reader, checked by its own tests
+
+    from tests.dist_harness import run_ranks
 
     for name, (world, stage) in CASES.items():
         root = HERE / name
