@@ -82,12 +82,14 @@ def _straight_and_save(rank: int, world: int, root: str):
     return out
 
 
-def _resume_and_reshard(rank: int, world: int, root: str, plan: list[tuple[str, int, str | None]]):
-    """Resume each saved stage at the same stage; then each (tag, stage, resave_tag) of ``plan``."""
+def _resume_and_reshard(rank: int, world: int, root: str, plan: list[tuple[str, int, str | None]],
+                        resume: bool = True):
+    """With ``resume`` (2 ranks), resume each saved stage at the same stage; then each
+    (tag, stage, resave_tag) of ``plan``."""
     import zeal
 
     out = {"resume": {}, "reshard": {}}
-    if world == 2:
+    if world == 2 and resume:
         for stage in STAGES:
             torch.manual_seed(1)  # different init: everything must come from the checkpoint
             engine = zeal.initialize(TinyNet(), config(stage))
@@ -181,7 +183,7 @@ def test_reshard_2_to_4_to_2_and_to_1(saved):
             _same(assemble(root / src), assemble(root / resave), f"2->4 {src}")
     # 4 -> 2, across stages
     plan2 = [("w4s3", 1, "w4s3to2s1"), ("w4s1", 3, "w4s1to2s3")]
-    run_ranks(_resume_and_reshard, 2, str(root), plan2, timeout=200)
+    run_ranks(_resume_and_reshard, 2, str(root), plan2, False, timeout=200)
     for src, _, resave in plan2:
         _same(assemble(root / src), assemble(root / resave), f"4->2 {src}")
     # 2 -> 1, in this process (world size 1 needs no process group)
@@ -194,3 +196,25 @@ def test_reshard_2_to_4_to_2_and_to_1(saved):
         losses = train(engine, 0, 1, range(5, 7))
         assert all(np.isfinite(losses))
     assert res4[0]["reshard"][("s2", 1)]["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_reshard_1_to_2_across_stages(tmp_path):
+    import zeal
+
+    for stage in (0, 3, 2):  # saved by one rank, in this process
+        torch.manual_seed(0)
+        engine = zeal.initialize(TinyNet(), config(stage))
+        train(engine, 0, 1, range(0, 3))
+        engine.save_checkpoint(str(tmp_path), tag=f"w1s{stage}")
+    plan = [("w1s0", 3, "w1s0to2s3"), ("w1s3", 1, "w1s3to2s1"), ("w1s2", 2, "w1s2to2s2")]
+    res = run_ranks(_resume_and_reshard, 2, str(tmp_path), plan, False, timeout=200)
+    for src, stage, resave in plan:
+        want = assemble(tmp_path / src)
+        _same(want, assemble(tmp_path / resave), f"1->2 {src} -> stage {stage}")
+        for rank in range(2):
+            got = res[rank]["reshard"][(src, stage)]
+            for k, v in got["params"].items():
+                if f"param/{k}" in want:
+                    assert torch.equal(torch.from_numpy(v), want[f"param/{k}"]), (src, stage, rank, k)
+            assert all(np.isfinite(x) for x in got["losses"])
