@@ -239,8 +239,9 @@ def load_sharded_state(engine: Any, read: Reader, *, load_optimizer: bool = True
     """Set this rank's state from ``read(info, box) -> ParamShard`` (called once for every
     box this rank holds, which may be more than it owns: see the module docstring), then
     re-synchronise the model copy. With ``load_optimizer`` the optimizer state of every
-    master becomes exactly what the shards give (moments missing for a box stay zero);
-    otherwise it is left alone. If ``read`` or a write fails on any rank, every rank
+    master becomes exactly what the shards give (moments missing for a box stay zero; a
+    master holding only padding, which no box reaches, gets an empty state: its
+    gradient is zero, so it never moves); otherwise it is left alone. If ``read`` or a write fails on any rank, every rank
     raises :class:`ShardedStateError` (what was written so far stays written)."""
     parts = _parts(engine)
     with _resident(parts, writeback=True):
