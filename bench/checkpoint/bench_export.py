@@ -61,7 +61,7 @@ def export(d: Path) -> None:
 
     import torch  # noqa: F401 - count the import in the baseline
 
-    from zeal.train.checkpoint_export import export_hf, open_verified
+    from zeal.checkpoint.export import export_hf, open_verified
 
     base, base_anon = current_rss(), anon_rss()
     peak_anon, done = [0], threading.Event()

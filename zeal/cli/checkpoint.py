@@ -1,12 +1,11 @@
 """`zeal checkpoint export | inspect`: front end of the checkpoint tools.
 
-The work is done by the checkpoint module (``zeal/train/checkpoint*.py``); this
-file only parses arguments and finds the implementation, so that the command
-reports clearly when that module is absent from an installation. Looked up in
-order: ``zeal.train.checkpoint_cli.export(args)`` / ``.inspect(args)``, then
+The work is done by the checkpoint package (``zeal/checkpoint/``); this file only
+parses arguments and finds the implementation, so that the command reports clearly
+when that package is absent from an installation. Looked up in order:
+``zeal.checkpoint.cli.export(args)`` / ``.inspect(args)``, then
 ``export_hf(checkpoint, out, tag=, dtype=)`` / ``inspect_checkpoint(checkpoint, tag=)``
-in ``zeal.train.checkpoint_export``, ``zeal.train.checkpoint_inspect`` or
-``zeal.train.checkpoint``.
+in ``zeal.checkpoint``.
 """
 
 from __future__ import annotations
@@ -18,11 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 _CANDIDATES = {
-    "export": [("zeal.train.checkpoint_cli", "export", True), ("zeal.train.checkpoint_export", "export_hf", False),
-               ("zeal.train.checkpoint", "export_hf", False)],
-    "inspect": [("zeal.train.checkpoint_cli", "inspect", True),
-                ("zeal.train.checkpoint_inspect", "inspect_checkpoint", False),
-                ("zeal.train.checkpoint", "inspect_checkpoint", False)],
+    "export": [("zeal.checkpoint.cli", "export", True), ("zeal.checkpoint", "export_hf", False)],
+    "inspect": [("zeal.checkpoint.cli", "inspect", True), ("zeal.checkpoint", "inspect_checkpoint", False)],
 }
 
 
@@ -58,7 +54,7 @@ def find_impl(command: str) -> tuple[Callable[..., Any], bool]:
         if callable(fn):
             return fn, takes_args
     raise ValueError(f"'zeal checkpoint {command}' is not available in this installation "
-                     "(the checkpoint tools in zeal/train/checkpoint*.py are missing)")
+                     "(the checkpoint tools in zeal/checkpoint/ are missing)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,1 +1,1 @@
-"""The training loop: engine, build (feature wiring), LR schedules, checkpoints."""
+"""The training loop: engine, build (feature wiring), LR schedules."""

@@ -40,6 +40,7 @@ from zeal.train.lr_schedules import build_scheduler
 from zeal.zero.apply import apply_zero
 from zeal.zero.offload.apply import apply_offload
 from zeal.zero.offload.host_memory import return_freed_memory_eagerly
+from zeal.zero.stages import resolve_stage
 from zeal.zero.units import default_init_fn
 
 log = logging.getLogger("zeal")
@@ -108,7 +109,7 @@ def _mesh(cfg: Config) -> Mesh:
         mesh = build_mesh(ctx, hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if zc.stage == 3 or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
+    if resolve_stage(zc.stage).partitions_params or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
         # Stage 3 and the disk tier exist to bound memory; on CPU their per-step gather and
         # gradient buffers would otherwise stay resident as freed-but-kept heap.
         return_freed_memory_eagerly()

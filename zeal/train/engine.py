@@ -15,7 +15,7 @@ import logging
 import time
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,11 @@ from zeal.dist.context import before_shutdown
 from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
 from zeal.train.hooks import check_hook, run_hooks
+from zeal.zero import sharded_state as zss
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
 from zeal.zero.param_coordinator import ParamCoordinator
+from zeal.zero.sharded_state import Box, ParamInfo, ParamShard, ShardedState
 from zeal.zero.stages import ZeroStage
 from zeal.zero.units import FlatUnit
 
@@ -280,15 +282,28 @@ class TrainEngine:
             return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
                     for k, v in self.module.state_dict().items()}
 
-    # -- checkpoints -----------------------------------------------------------------------
+    # -- sharded state and checkpoints ----------------------------------------------------
+    def sharded_state(self) -> contextlib.AbstractContextManager[ShardedState]:
+        """``with engine.sharded_state() as st:`` — the boxes of every parameter this rank
+        owns, with master values and optimizer state (views, read-only); see
+        :mod:`zeal.zero.sharded_state`."""
+        return zss.sharded_state(self)
+
+    def load_sharded_state(self, read: Callable[[ParamInfo, Box], ParamShard], *, load_optimizer: bool = True,
+                           skipped_steps: int | None = None, loss_scaler: dict | None = None) -> None:
+        """Set every box this rank holds from ``read(info, box)`` and re-synchronise the
+        model (all ranks together); see :func:`zeal.zero.sharded_state.load_sharded_state`."""
+        zss.load_sharded_state(self, read, load_optimizer=load_optimizer, skipped_steps=skipped_steps,
+                               loss_scaler=loss_scaler)
+
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
-        from zeal.train import checkpoint
+        from zeal import checkpoint
 
         return checkpoint.save(self, save_dir, tag=tag, client_state=client_state)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> dict:
-        from zeal.train import checkpoint
+        from zeal import checkpoint
 
         client = checkpoint.load(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                  load_lr_scheduler_states=load_lr_scheduler_states,

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from zeal.dist.comm import Comm
 from zeal.config.job import JobSpec, read_spec, resolve_precision, write_spec  # noqa: F401 - read_spec re-exported
+from zeal.dist.comm import Comm
 from zeal.models.gpt import sample_next
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
 from zeal.utils.process import apply_process_settings

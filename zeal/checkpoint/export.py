@@ -1,7 +1,7 @@
 """Export a zeal checkpoint to a Hugging Face folder, and inspect a checkpoint.
 
 Export streams tensor by tensor: each parameter is assembled from the per-rank
-pieces (``safe_open(...).get_slice``), converted and written before the next one is
+boxes (:class:`~zeal.checkpoint.reader.SavedShards`), converted and written before the next one is
 read, so peak memory is a few times the largest single tensor, never the model.
 zeal's GPT (``zeal.models.gpt.GPT``) becomes a ``GPT2LMHeadModel`` folder (HF GPT-2
 stores the attention/MLP projections as ``Conv1D``, the transpose of ``nn.Linear``;
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from zeal.train import checkpoint_io as cio
-from zeal.train.checkpoint import META, _Pieces, _read_meta
-from zeal.train.checkpoint_io import CheckpointError, TensorSpec
+from zeal.checkpoint import files as cf
+from zeal.checkpoint.files import CheckpointError, TensorSpec
+from zeal.checkpoint.load import open_shards, read_meta
+from zeal.checkpoint.reader import SavedShards
+from zeal.checkpoint.save import META
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ZEAL_GPT = "zeal.models.gpt.GPT"
@@ -29,20 +31,20 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 def find_checkpoint(path: str | Path, tag: str | None = None) -> Path:
     """A tag folder from a tag folder, a checkpoints folder or a run folder (``checkpoints/``)."""
     p = Path(path)
-    if (p / cio.MANIFEST).is_file() and tag is None:
+    if (p / cf.MANIFEST).is_file() and tag is None:
         return p
-    if not (p / cio.LATEST).exists() and (p / "checkpoints").is_dir():
+    if not (p / cf.LATEST).exists() and (p / "checkpoints").is_dir():
         p = p / "checkpoints"
-    return p / cio.resolve_tags(p, tag)[0]
+    return p / cf.resolve_tags(p, tag)[0]
 
 
-def open_verified(folder: Path, transient: bool = True) -> tuple[dict, dict, _Pieces]:
-    """Manifest, meta and piece index of a tag folder, after checking every file's SHA-256."""
-    manifest = cio.read_manifest(folder)
+def open_verified(folder: Path, transient: bool = True) -> tuple[dict, dict, SavedShards]:
+    """Manifest, meta and box index of a tag folder, after checking every file's SHA-256."""
+    manifest = cf.read_manifest(folder)
     for name in sorted(manifest["files"]):
-        cio.verify_file(folder, name, manifest)
-    meta = _read_meta(folder)
-    return manifest, meta, _Pieces(folder, meta["files"], transient=transient)
+        cf.verify_file(folder, name, manifest)
+    meta = read_meta(folder)
+    return manifest, meta, open_shards(folder, manifest, meta, transient=transient)
 
 
 def _hf_gpt2_config(cfg: dict) -> dict:
@@ -78,18 +80,13 @@ def _plan(meta: dict) -> tuple[list[tuple[str, str, str, bool]], dict]:
     return out, config
 
 
-def _producer(pieces: _Pieces, meta: dict, kind: str, src: str, transpose: bool, dtype: torch.dtype):
+def _producer(shards: SavedShards, meta: dict, kind: str, src: str, transpose: bool, dtype: torch.dtype):
     def produce() -> torch.Tensor:
         if kind == "buffer":
-            t = pieces.whole(f"buffer/{src}")
+            t = shards.whole(f"buffer/{src}")
         else:
-            shape = meta["params"][src]["shape"]
-            n = 1
-            for d in shape:
-                n *= d
-            t = torch.empty(n, dtype=torch.float32)
-            pieces.read(f"param/{src}", 0, n, t)
-            t = t.view(shape)
+            entry = meta["params"][src]
+            t = shards.full("param", src, entry["shape"], getattr(torch, entry["dtype"]))
         if transpose:
             t = t.t()
         return t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
@@ -105,7 +102,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     folder = find_checkpoint(checkpoint, tag)
-    _, meta, pieces = open_verified(folder)
+    _, meta, shards = open_verified(folder)
     plan, config = _plan(meta)
     tdt = DTYPES[dtype]
     specs = []
@@ -115,7 +112,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
         stored = getattr(torch, entry["dtype"]) if kind == "buffer" else torch.float32
         st = tdt if stored.is_floating_point else stored
         specs.append(TensorSpec(name, st, shape[::-1] if transpose else shape,
-                                _producer(pieces, meta, kind, src, transpose, tdt)))
+                                _producer(shards, meta, kind, src, transpose, tdt)))
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for s in specs:
@@ -127,13 +124,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
     config["torch_dtype"] = str(tdt).removeprefix("torch.")
-    cio.write_json(dest / "config.json", config)
+    cf.write_json(dest / "config.json", config)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for fname, group in zip(files, shards):
-        cio.write_safetensors(dest / fname, group, {"format": "pt"})
+        cf.write_safetensors(dest / fname, group, {"format": "pt"})
     if len(shards) > 1:
-        cio.write_json(dest / "model.safetensors.index.json", {
+        cf.write_json(dest / "model.safetensors.index.json", {
             "metadata": {"total_size": sum(s.nbytes for s in specs)},
             "weight_map": {s.name: f for f, g in zip(files, shards) for s in g}})
     return {"checkpoint": str(folder), "out": str(dest), "files": files, "tensors": len(specs),
@@ -143,11 +140,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
 def inspect_checkpoint(checkpoint: str | Path, tag: str | None = None) -> dict[str, Any]:
     """What a checkpoint holds, with every file's checksum verified (``ok`` per file)."""
     folder = find_checkpoint(checkpoint, tag)
-    manifest = cio.read_manifest(folder)
+    manifest = cf.read_manifest(folder)
     files = {}
     for name, entry in sorted(manifest["files"].items()):
         try:
-            cio.verify_file(folder, name, manifest)
+            cf.verify_file(folder, name, manifest)
             files[name] = {"bytes": entry["bytes"], "ok": True}
         except CheckpointError as e:
             files[name] = {"bytes": entry["bytes"], "ok": False, "error": str(e)}

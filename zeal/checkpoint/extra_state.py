@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import base64
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from zeal.train.checkpoint_io import CheckpointError, TensorSpec
+from zeal.checkpoint.files import CheckpointError, TensorSpec
 
 
 def rng_state() -> dict:
@@ -62,12 +63,12 @@ def split_client(obj: Any, tensors: list[TensorSpec], path: str = "client_state"
                           "lists, dicts or tensors)")
 
 
-def join_client(obj: Any, reader: Any) -> Any:
-    """Inverse of :func:`split_client`, reading tensors through ``reader.get_tensor``."""
+def join_client(obj: Any, get_tensor: Callable[[str], torch.Tensor]) -> Any:
+    """Inverse of :func:`split_client`, reading tensors by key through ``get_tensor``."""
     if isinstance(obj, dict):
         if set(obj) == {"__tensor__"}:
-            return reader.get_tensor(obj["__tensor__"])
-        return {k: join_client(v, reader) for k, v in obj.items()}
+            return get_tensor(obj["__tensor__"])
+        return {k: join_client(v, get_tensor) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [join_client(v, reader) for v in obj]
+        return [join_client(v, get_tensor) for v in obj]
     return obj

@@ -22,11 +22,11 @@ import torch
 import torch._dynamo  # noqa: F401 - the optimizer step imports it lazily (seconds); the forkserver preloads it
 from torch import nn
 
+from tests.checkpoint.test_resume_reshard import config, train
 from tests.dist_harness import run_ranks
 from tests.train.models import TinyNet
-from tests.train.test_checkpoint import config, train
-from zeal.train import checkpoint_io as cio
-from zeal.train.checkpoint_io import CheckpointCorruptError, CheckpointError
+from zeal.checkpoint import files as cio
+from zeal.checkpoint.files import CheckpointCorruptError, CheckpointError
 
 SEED = int(os.environ.get("ZEAL_TEST_SEED", "1234"))
 
@@ -75,7 +75,7 @@ def _digests(root: Path) -> dict[str, dict[str, str]]:
 
 def _kill_trials(tmp_path: Path, trials: int) -> None:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.train.test_checkpoint_faults"])
+    ctx.set_forkserver_preload(["tests.checkpoint.test_faults"])
     root = tmp_path / "kill"
     loader = _mlp_engine()
     loader.save_checkpoint(str(root), tag="t0")

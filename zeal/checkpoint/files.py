@@ -27,7 +27,9 @@ from pathlib import Path
 import torch
 
 FORMAT = "zeal-checkpoint"
-VERSION = 1
+# 1: per-rank flat [lo, hi) ranges of flattened parameters; 2: per-rank N-d boxes (see save.py).
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 DAMAGED = 1 << 62
@@ -46,6 +48,10 @@ class CheckpointError(RuntimeError):
 
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file is missing, truncated, altered or not what the manifest says."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A sound checkpoint of another model (parameter names or shapes differ)."""
 
 
 # -- safetensors, streamed -------------------------------------------------------------------
@@ -186,7 +192,7 @@ def read_manifest(folder: Path) -> dict:
     body = {k: v for k, v in m.items() if k != "manifest_sha256"}
     if m.get("manifest_sha256") != _manifest_digest(body):
         raise CheckpointCorruptError(f"{path}: manifest checksum mismatch (the manifest was edited or damaged)")
-    if m.get("version") != VERSION:
+    if m.get("version") not in READABLE_VERSIONS:
         raise CheckpointCorruptError(f"{path}: unsupported format version {m.get('version')}")
     return m
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from zeal.train.checkpoint_export import export_hf, inspect_checkpoint
+from zeal.checkpoint.export import export_hf, inspect_checkpoint
 
 
 def _size(n: int) -> str:

@@ -8,7 +8,6 @@ run covers several cases, to keep the number of process launches low.
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 
@@ -18,7 +17,8 @@ import torch
 
 from tests.dist_harness import run_ranks
 from tests.train.models import TinyNet, make_batches
-from zeal.train.checkpoint import META, _Pieces
+from zeal.checkpoint.files import read_manifest
+from zeal.checkpoint.load import open_shards, read_meta
 
 ACCUM, MICRO, LR, CLIP = 2, 2, 1e-2, 0.05
 STAGES = [0, 1, 2, 3]
@@ -49,11 +49,15 @@ def train(engine, rank: int, world: int, steps: range) -> list[float]:
 
 
 def rank_state(engine) -> dict:
-    """Everything a rank holds that must survive a resume."""
-    zopt = engine._p.zero_optimizer
-    opt = {f"{i}/{k}": v.clone() for i, m in enumerate(zopt.masters)
-           for k, v in engine.optimizer.state[m].items()}
-    return {"params": engine.module_state_dict(), "masters": [m.detach().clone() for m in zopt.masters],
+    """Everything a rank holds that must survive a resume (masters and optimizer state
+    through the public sharded-state API)."""
+    masters, opt = {}, {}
+    with engine.sharded_state() as st:
+        for sh in st.shards:
+            key = f"{sh.name}{list(sh.box)}"
+            masters[key] = sh.master.clone()
+            opt.update({f"{key}/{k}": torch.as_tensor(v).clone() for k, v in {**sh.moments, **sh.scalars}.items()})
+    return {"params": engine.module_state_dict(), "masters": masters,
             "opt": opt, "lr": engine.optimizer.param_groups[0]["lr"],
             "counters": [engine.global_steps, engine.micro_steps, engine.global_samples, engine.skipped_steps]}
 
@@ -78,12 +82,14 @@ def _straight_and_save(rank: int, world: int, root: str):
     return out
 
 
-def _resume_and_reshard(rank: int, world: int, root: str, plan: list[tuple[str, int, str | None]]):
-    """Resume each saved stage at the same stage; then each (tag, stage, resave_tag) of ``plan``."""
+def _resume_and_reshard(rank: int, world: int, root: str, plan: list[tuple[str, int, str | None]],
+                        resume: bool = True):
+    """With ``resume`` (2 ranks), resume each saved stage at the same stage; then each
+    (tag, stage, resave_tag) of ``plan``."""
     import zeal
 
     out = {"resume": {}, "reshard": {}}
-    if world == 2:
+    if world == 2 and resume:
         for stage in STAGES:
             torch.manual_seed(1)  # different init: everything must come from the checkpoint
             engine = zeal.initialize(TinyNet(), config(stage))
@@ -104,23 +110,20 @@ def _resume_and_reshard(rank: int, world: int, root: str, plan: list[tuple[str, 
 
 
 def assemble(folder: Path) -> dict[str, torch.Tensor]:
-    """Full tensors by key (param/<n>, optim.<k>/<n>) plus scalar state, from any checkpoint."""
-    meta = json.loads((folder / META).read_text())
-    pieces = _Pieces(folder, meta["files"])
+    """Full tensors by key (param/<n>, optim.<k>/<n>, buffer/<n>) plus scalar state, from
+    any checkpoint (format 1 or 2)."""
+    meta = read_meta(folder)
+    shards = open_shards(folder, read_manifest(folder), meta)
     out = {}
-    for key in pieces.index:
-        kind, _, name = key.partition("/")
-        if kind == "client":
-            continue
-        if kind == "buffer":
-            out[key] = pieces.whole(key)
-            continue
-        shape = meta["params"][name]["shape"]
-        n = int(np.prod(shape))
-        t = torch.empty(n, dtype=torch.float32)
-        pieces.read(key, 0, n, t)
-        out[key] = t.view(shape)
-    for name, sc in pieces.scalars.items():
+    for name, kinds in shards.kinds.items():
+        entry = meta["params"][name]
+        for kind in kinds:
+            dtype = getattr(torch, entry["dtype"]) if kind == "param" else torch.float32
+            out[f"{kind}/{name}"] = shards.full(kind, name, entry["shape"], dtype)
+    for key in shards.whole_keys:
+        if key.startswith("buffer/"):
+            out[key] = shards.whole(key)
+    for name, sc in shards.scalars.items():
         for k, v in sc.items():
             out[f"scalar.{k}/{name}"] = torch.tensor(v[0])
     return out
@@ -152,9 +155,7 @@ def test_resume_bit_exact_and_reshard_2_to_2(saved):
             assert a["draw"] == b["draw"], stage
             assert a["lr"] == b["lr"] and a["counters"] == b["counters"], stage
             _same(a["params"], b["params"], f"stage {stage} rank {rank} params")
-            assert len(a["masters"]) == len(b["masters"])
-            for x, y in zip(a["masters"], b["masters"]):
-                assert np.array_equal(x, y), stage
+            _same(a["masters"], b["masters"], f"stage {stage} rank {rank} masters")
             _same(a["opt"], b["opt"], f"stage {stage} rank {rank} optimizer")
             assert b["client"]["epoch"] == 3 and np.array_equal(b["client"]["t"], np.arange(4))
     for src, stage, resave in plan:
@@ -182,7 +183,7 @@ def test_reshard_2_to_4_to_2_and_to_1(saved):
             _same(assemble(root / src), assemble(root / resave), f"2->4 {src}")
     # 4 -> 2, across stages
     plan2 = [("w4s3", 1, "w4s3to2s1"), ("w4s1", 3, "w4s1to2s3")]
-    run_ranks(_resume_and_reshard, 2, str(root), plan2, timeout=200)
+    run_ranks(_resume_and_reshard, 2, str(root), plan2, False, timeout=200)
     for src, _, resave in plan2:
         _same(assemble(root / src), assemble(root / resave), f"4->2 {src}")
     # 2 -> 1, in this process (world size 1 needs no process group)
@@ -195,3 +196,25 @@ def test_reshard_2_to_4_to_2_and_to_1(saved):
         losses = train(engine, 0, 1, range(5, 7))
         assert all(np.isfinite(losses))
     assert res4[0]["reshard"][("s2", 1)]["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_reshard_1_to_2_across_stages(tmp_path):
+    import zeal
+
+    for stage in (0, 3, 2):  # saved by one rank, in this process
+        torch.manual_seed(0)
+        engine = zeal.initialize(TinyNet(), config(stage))
+        train(engine, 0, 1, range(0, 3))
+        engine.save_checkpoint(str(tmp_path), tag=f"w1s{stage}")
+    plan = [("w1s0", 3, "w1s0to2s3"), ("w1s3", 1, "w1s3to2s1"), ("w1s2", 2, "w1s2to2s2")]
+    res = run_ranks(_resume_and_reshard, 2, str(tmp_path), plan, False, timeout=200)
+    for src, stage, resave in plan:
+        want = assemble(tmp_path / src)
+        _same(want, assemble(tmp_path / resave), f"1->2 {src} -> stage {stage}")
+        for rank in range(2):
+            got = res[rank]["reshard"][(src, stage)]
+            for k, v in got["params"].items():
+                if f"param/{k}" in want:
+                    assert torch.equal(torch.from_numpy(v), want[f"param/{k}"]), (src, stage, rank, k)
+            assert all(np.isfinite(x) for x in got["losses"])

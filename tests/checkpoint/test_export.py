@@ -52,8 +52,8 @@ def trained(tmp_path_factory):
 
 @pytest.mark.timeout(120)
 def test_export_zeal_gpt_and_hf_model_load_in_transformers(trained, tmp_path):
+    from zeal.checkpoint.export import export_hf
     from zeal.models.gpt import GPT, GPTConfig
-    from zeal.train.checkpoint_export import export_hf
 
     root, states = trained
     x = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(9))
@@ -81,8 +81,8 @@ def test_export_zeal_gpt_and_hf_model_load_in_transformers(trained, tmp_path):
 
 @pytest.mark.timeout(60)
 def test_inspect_and_cli(trained, tmp_path, capsys):
+    from zeal.checkpoint.export import inspect_checkpoint
     from zeal.cli.main import main
-    from zeal.train.checkpoint_export import inspect_checkpoint
 
     root, _ = trained
     info = inspect_checkpoint(root / "gpt")
