@@ -207,11 +207,18 @@ class GPT(nn.Module, Checkpointable):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Plain sampling without a KV cache (the serving engine lives in ``zeal.inference``)."""
-        for _ in range(max_new_tokens):
-            ctx = input_ids[:, -self.config.n_positions :]
-            nxt = sample_next(self(ctx)[:, -1], temperature, top_k, generator)
-            input_ids = torch.cat([input_ids, nxt], dim=1)
-        return input_ids
+        return generate_plain(self, input_ids, max_new_tokens, temperature, top_k, generator)
+
+
+def generate_plain(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                   top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``input_ids (B, T)`` plus ``max_new_tokens`` sampled by re-running the model's dense
+    forward on the last ``model.max_positions`` tokens each time (no KV cache: a reference)."""
+    for _ in range(max_new_tokens):
+        ctx = input_ids[:, -model.max_positions :]
+        nxt = sample_next(model(ctx)[:, -1], temperature, top_k, generator)
+        input_ids = torch.cat([input_ids, nxt], dim=1)
+    return input_ids
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,

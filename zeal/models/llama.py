@@ -344,6 +344,14 @@ class Llama(nn.Module, Checkpointable):
             h, labels = h[None], labels[None]
         return causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
 
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Plain sampling without a KV cache, as :meth:`zeal.models.GPT.generate`."""
+        from zeal.models.gpt import generate_plain
+
+        return generate_plain(self, input_ids, max_new_tokens, temperature, top_k, generator)
+
     @classmethod
     def from_hf_folder(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Llama:
         """Load a Hugging Face Llama-family folder (``config.json`` + safetensors), in eval mode."""
