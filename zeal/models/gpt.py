@@ -5,6 +5,12 @@ an LM head tied to the token embedding. Parameter names follow Hugging Face's
 GPT-2 layout (``transformer.h.0.attn.c_attn.weight`` ...) so that export to a
 ``transformers`` folder is a rename plus a transpose of the linear weights
 (GPT-2 stores them as ``Conv1D``, i.e. ``(in, out)``).
+
+One module for training and serving: every :class:`Block` has its own
+``forward(x, attention)``, given dense causal attention in training and the serving
+engine's paged attention (a flat ragged batch ``(T, C)``) in serving, where the
+attention object may also select the fused CPU kernels (see :mod:`zeal.models.attention`).
+GPT needs no positions inside its blocks: learned position embeddings are added once.
 """
 
 from __future__ import annotations
