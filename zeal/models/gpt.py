@@ -52,8 +52,9 @@ class GPTConfig:
 
 
 class LayerNorm(nn.LayerNorm):
-    """``nn.LayerNorm`` that, given fused ``ops``, also adds a residual branch in place:
-    ``norm(x, add=d, ops=ops)`` does ``x += d`` and returns the normalised ``x`` in one pass."""
+    """``nn.LayerNorm`` that can first add a residual branch into ``x`` in place:
+    ``norm(x, add=d, ops=ops)`` does ``x += d`` (serving only) and returns the normalised
+    ``x``, in one pass when given fused ``ops``."""
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, ops: object | None = None) -> torch.Tensor:
         if ops is None:

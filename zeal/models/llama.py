@@ -124,7 +124,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF ("rotate half") layout. x: (T, heads, hd); cos/sin: (T, 1, hd)."""
+    """HF ("rotate half") layout. x: (..., T, heads, hd); cos/sin: (..., T, 1, hd)."""
     h = x.shape[-1] // 2
     out = x * cos  # plus rotate_half(x) * sin, without materialising the rotated copy
     out[..., :h] -= x[..., h:] * sin[..., :h]
@@ -142,8 +142,8 @@ class Rope(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim. Given fused ``ops``, ``norm(x, add=d, ops=ops)`` also adds
-    the residual branch into ``x`` in place (``x += d``) in the same pass."""
+    """RMSNorm over the last dim. ``norm(x, add=d, ops=ops)`` first adds the residual branch
+    into ``x`` in place (``x += d``; serving only), in the same pass when given fused ``ops``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
