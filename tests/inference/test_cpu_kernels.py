@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from zeal.inference.attention import AttentionMetadata, decode_tables, paged_attention, write_kv
 from zeal.inference.kernels import cpu_kernels
-from zeal.models.llama import Llama, LlamaConfig, apply_rope, dense_causal_attention
+from zeal.models.attention import DenseCausalAttention
+from zeal.models.llama import Llama, LlamaConfig, apply_rope
 
 ops = cpu_kernels()
 needs_ops = pytest.mark.skipif(ops is None, reason="fused CPU kernels unavailable (no compiler or ninja)")
@@ -231,26 +232,22 @@ def test_fused_llama_forward_equals_plain():
     model = Llama(cfg).eval()
     ids = torch.randint(0, 50, (20,))
     pos = torch.arange(20)
-
-    def attn(_layer, q, k, v):
-        return dense_causal_attention(q, k, v)
-
     with torch.inference_mode():
-        ref = model(ids, pos, attn)
-        fused = model(ids, pos, attn, kernels=ops)
+        ref = model(ids, positions=pos)
+        fused = model(ids, positions=pos, attention=DenseCausalAttention(ops))
     torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-4)
 
 
 @needs_ops
 @pytest.mark.timeout(60)
 def test_fused_gpt_forward_equals_plain():
-    from zeal.inference.gpt_adapter import PagedGPT
     from zeal.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(5)
-    model = PagedGPT(GPT(GPTConfig(vocab_size=50, n_positions=64, n_embd=48, n_layer=2, n_head=4))).eval()
+    model = GPT(GPTConfig(vocab_size=50, n_positions=64, n_embd=48, n_layer=2, n_head=4)).eval()
     ids, pos = torch.randint(0, 50, (20,)), torch.arange(20)
     with torch.inference_mode():
-        ref = model(ids, pos)
-        fused = model(ids, pos, kernels=ops)
+        ref = model(ids, positions=pos)
+        fused = model(ids, positions=pos, attention=DenseCausalAttention(ops))
     torch.testing.assert_close(fused, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(model(ids[None])[0], ref, atol=1e-5, rtol=1e-4)  # batched = flat

@@ -67,7 +67,7 @@ def test_llama_serving_forward_is_bit_identical_to_the_autograd_one(dtype):
     m = Llama(LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)).to(dtype)
     ids, pos = torch.randint(0, 100, (10,)), torch.arange(10)
-    with_grad = m(ids, pos)
+    with_grad = m(ids, positions=pos)
     assert with_grad.requires_grad
     with torch.inference_mode():
-        assert torch.equal(m(ids, pos), with_grad.detach())
+        assert torch.equal(m(ids, positions=pos), with_grad.detach())

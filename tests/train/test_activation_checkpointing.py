@@ -37,7 +37,7 @@ def _gpt_loss(model: GPT, x: torch.Tensor) -> torch.Tensor:
 
 
 def _llama_loss(model: Llama, x: torch.Tensor) -> torch.Tensor:
-    logits = model(x, torch.arange(x.shape[0]))
+    logits = model(x, positions=torch.arange(x.shape[0]))  # a flat batch: one sequence
     return F.cross_entropy(logits[:-1], x[1:])
 
 
@@ -110,7 +110,10 @@ def test_eval_and_no_grad_forwards_do_not_checkpoint(monkeypatch):
         model.train()(x)
     llama = Llama(LLAMA_CFG).eval()
     llama.checkpoint_activations = True
-    llama(torch.randint(0, 64, (12,)), torch.arange(12)).sum().backward()
+    llama(torch.randint(0, 64, (12,)), positions=torch.arange(12)).sum().backward()
+    llama.train()
+    with torch.no_grad():
+        llama(torch.randint(0, 64, (2, 12)))
 
 
 @pytest.mark.timeout(60)

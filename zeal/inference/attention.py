@@ -302,3 +302,19 @@ def paged_attention(
             kc, vc = gather_kv(k_cache, c.block_table, c.ctx_len), gather_kv(v_cache, c.block_table, c.ctx_len)
         out[rows] = chunk_attention(q[rows].transpose(0, 1), kc.to(q.dtype), vc.to(q.dtype)).transpose(0, 1)
     return out
+
+
+class PagedAttention:
+    """The attention object of one serving pass (see :mod:`zeal.models.attention`): layer
+    ``i`` writes its new K/V into ``k_caches[i]``/``v_caches[i]`` and attends through the
+    block tables of ``meta``. ``ops``: the fused CPU kernels the layers use in this pass
+    (``meta.kernels``; None: torch ops)."""
+
+    def __init__(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], meta: AttentionMetadata) -> None:
+        self.k_caches, self.v_caches, self.meta = k_caches, v_caches, meta
+        self.ops = meta.kernels
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 dropout_p: float = 0.0) -> torch.Tensor:
+        # q (T, nh, hd), k/v (T, nkv, hd): a flat batch; serving never drops out
+        return paged_attention(q, k, v, self.k_caches[layer_idx], self.v_caches[layer_idx], self.meta)

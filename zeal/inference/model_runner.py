@@ -10,20 +10,27 @@ from torch import nn
 
 from zeal.inference.attention import (
     AttentionMetadata,
+    PagedAttention,
     PrefillChunk,
     decode_tables,
-    paged_attention,
     plan_decodes,
 )
-from zeal.inference.gpt_adapter import PagedGPT
 from zeal.inference.kernels import cpu_kernels
 from zeal.inference.sequence import SchedulerOutput
-from zeal.models.gpt import GPT
+
+# what a model must have to be served: zeal's GPT and Llama have them all
+SERVING_ATTRS = ("num_layers", "num_kv_heads", "head_dim", "max_positions", "config")
 
 
 def as_serving_model(model: nn.Module) -> nn.Module:
-    """Wrap models whose own ``forward`` is not the flat-batch serving forward."""
-    return PagedGPT(model) if isinstance(model, GPT) else model
+    """The model itself (the module that trains is the module that serves); raises
+    ``TypeError`` for one without zeal's serving interface (a flat-batch ``forward``
+    taking ``positions``, ``attention`` and ``logits_index``, and the cache shape)."""
+    missing = [a for a in SERVING_ATTRS if not hasattr(model, a)]
+    if missing:
+        raise TypeError(f"{type(model).__name__} cannot be served: it lacks {', '.join(missing)} "
+                        "(serve zeal.models.GPT or zeal.models.llama.Llama, or load a Hugging Face folder)")
+    return model
 
 
 def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
@@ -32,7 +39,10 @@ def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) ->
 
 
 class ModelRunner:
-    """Runs ragged passes of a serving model (``Llama`` or ``PagedGPT``) over a paged KV cache.
+    """Runs ragged passes of a zeal model (``GPT`` or ``Llama``) over a paged KV cache.
+
+    The model's layer modules are called as they are (through ``__call__``, so hooks such
+    as ZeRO-3's gather/release fire), each given a :class:`PagedAttention` for the pass.
 
     Weights are the model's own tensors: :meth:`load_weights` copies new values
     into them in place, so a trainer can push weights without rebuilding
@@ -64,8 +74,6 @@ class ModelRunner:
         model, e.g. ``transformer.h.0.attn.c_attn.weight`` for zeal's GPT). HF GPT-2
         Conv1D weights given as ``(in, out)`` are transposed. Returns how many were copied."""
         params = dict(self.model.named_parameters())
-        if isinstance(self.model, PagedGPT):
-            params = {k.removeprefix("gpt."): v for k, v in params.items()}
         n = 0
         with torch.no_grad():
             for name, t in named_tensors:
@@ -138,9 +146,5 @@ class ModelRunner:
         if out.empty:
             return torch.empty(0, self.vocab_size)
         input_ids, positions, meta, sample_rows = self.prepare(out)
-
-        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return paged_attention(q, k, v, self.k_cache[layer], self.v_cache[layer], meta)
-
-        logits = self.model(input_ids, positions, attn, logits_index=sample_rows, kernels=self.kernels)
-        return logits
+        attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
+        return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)

@@ -5,6 +5,12 @@ an LM head tied to the token embedding. Parameter names follow Hugging Face's
 GPT-2 layout (``transformer.h.0.attn.c_attn.weight`` ...) so that export to a
 ``transformers`` folder is a rename plus a transpose of the linear weights
 (GPT-2 stores them as ``Conv1D``, i.e. ``(in, out)``).
+
+One module for training and serving: every :class:`Block` has its own
+``forward(x, attention)``, given dense causal attention in training and the serving
+engine's paged attention (a flat ragged batch ``(T, C)``) in serving, where the
+attention object may also select the fused CPU kernels (see :mod:`zeal.models.attention`).
+GPT needs no positions inside its blocks: learned position embeddings are added once.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeal.models.attention import DENSE, Attention, fused_ops
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 
 
@@ -44,23 +51,37 @@ class GPTConfig:
         return v * d + p * d + n_layer * block + 2 * d
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that can first add a residual branch into ``x`` in place:
+    ``norm(x, add=d, ops=ops)`` does ``x += d`` (serving only) and returns the normalised
+    ``x``, in one pass when given fused ``ops``."""
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, ops: object | None = None) -> torch.Tensor:
+        if ops is None:
+            return super().forward(x if add is None else x.add_(add))
+        out = torch.empty_like(x)
+        ops.layer_norm(x, add, self.weight, self.bias, self.eps, out)
+        return out
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Fused q/k/v projection, attention by the pass's attention object, output projection."""
+
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.layer_idx = layer_idx  # what ``attention`` is told (the paged KV cache is per layer)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        # (B, nh, T, hs)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, c))
+    def forward(self, x: torch.Tensor, attention: Attention = DENSE) -> torch.Tensor:
+        """x (..., T, C) -> (..., T, C); leading dims: a batch, or none (a flat serving batch)."""
+        *lead, c = x.shape
+        # (..., T, nh, hs) each
+        q, k, v = (z.view(*lead, self.n_head, c // self.n_head) for z in self.c_attn(x).split(c, dim=-1))
+        y = attention(self.layer_idx, q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        return self.c_proj(y.reshape(*lead, c))
 
 
 class MLP(nn.Module):
@@ -69,21 +90,37 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor, ops: object | None = None) -> torch.Tensor:
+        if ops is None:
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        u = self.c_fc(x)
+        ops.gelu_tanh(u)  # in place on the fresh hidden activations
+        return self.c_proj(u)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    """Pre-LayerNorm transformer block: ``forward(x, attention)``, x ``(..., T, C)``.
+
+    The one forward of a GPT layer, for training (dense attention, autograd) and
+    serving (paged attention). When the attention object carries fused ops and grad
+    is off, each LayerNorm also adds the residual branch into ``x`` in place and GELU
+    overwrites the MLP's hidden activations: the same arithmetic in fewer passes."""
+
+    def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.ln_1 = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
+        self.ln_2 = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: torch.Tensor, attention: Attention = DENSE) -> torch.Tensor:
+        ops = fused_ops(attention)
+        if ops is None:
+            x = x + self.attn(self.ln_1(x), attention)
+            return x + self.mlp(self.ln_2(x))
+        # serving: x is this pass's own residual stream, updated in place
+        h = self.ln_2(x, add=self.attn(self.ln_1(x, ops=ops), attention), ops=ops)  # x += attn; h = ln_2(x)
+        return x.add_(self.mlp(h, ops))
 
 
 class _Trunk(nn.Module):
@@ -92,15 +129,19 @@ class _Trunk(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.h = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
 
 class GPT(nn.Module, Checkpointable):
-    """GPT-2 style decoder. ``forward(input_ids, labels=None)`` returns logits, or the
-    mean next-token cross-entropy when ``labels`` is given (labels are the inputs;
-    the shift happens inside; ``-100`` is ignored). ``checkpoint_activations = True``
-    (or ``gradient_checkpointing_enable()``) recomputes each block in backward."""
+    """GPT-2 style decoder, one module for training and serving.
+
+    ``forward(input_ids (B, T), labels=None)`` returns logits, or the mean next-token
+    cross-entropy when ``labels`` is given (labels are the inputs; the shift happens
+    inside; ``-100`` is ignored). Serving passes a flat batch ``input_ids (T,)`` with
+    ``positions (T,)``, a paged ``attention`` object and ``logits_index`` (the rows to
+    project). ``checkpoint_activations = True`` (or ``gradient_checkpointing_enable()``)
+    recomputes each block in backward."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -130,14 +171,39 @@ class GPT(nn.Module, Checkpointable):
         """The transformer blocks (what activation checkpointing groups)."""
         return self.transformer.h
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        t = input_ids.shape[1]
-        if t > self.config.n_positions:
-            raise ValueError(f"sequence length {t} exceeds model.n_positions {self.config.n_positions}")
-        pos = torch.arange(t, device=input_ids.device)
-        x = self.transformer.drop(self.transformer.wte(input_ids) + self.transformer.wpe(pos))
-        x = run_blocks(self.transformer.h, x, self.checkpoint_policy)
-        h = self.transformer.ln_f(x)
+    # what the serving engine sizes its KV cache and context by
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.n_embd // self.config.n_head
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.n_layer
+
+    @property
+    def max_positions(self) -> int:
+        return self.config.n_positions
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, attention: Attention = DENSE,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` (B, T), or (T,) for a flat serving batch; ``positions`` default
+        ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project."""
+        if positions is None:
+            t = input_ids.shape[-1]
+            if t > self.config.n_positions:
+                raise ValueError(f"sequence length {t} exceeds model.n_positions {self.config.n_positions}")
+            positions = torch.arange(t, device=input_ids.device)
+        tr = self.transformer
+        x = tr.drop(tr.wte(input_ids) + tr.wpe(positions))
+        x = run_blocks(tr.h, x, self.checkpoint_policy, attention)
+        if logits_index is not None:
+            x = x[logits_index]
+        h = tr.ln_f(x, ops=fused_ops(attention))
         if labels is None:
             return self.lm_head(h)
         return causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
@@ -148,11 +214,18 @@ class GPT(nn.Module, Checkpointable):
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Plain sampling without a KV cache (the serving engine lives in ``zeal.inference``)."""
-        for _ in range(max_new_tokens):
-            ctx = input_ids[:, -self.config.n_positions :]
-            nxt = sample_next(self(ctx)[:, -1], temperature, top_k, generator)
-            input_ids = torch.cat([input_ids, nxt], dim=1)
-        return input_ids
+        return generate_plain(self, input_ids, max_new_tokens, temperature, top_k, generator)
+
+
+def generate_plain(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                   top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``input_ids (B, T)`` plus ``max_new_tokens`` sampled by re-running the model's dense
+    forward on the last ``model.max_positions`` tokens each time (no KV cache: a reference)."""
+    for _ in range(max_new_tokens):
+        ctx = input_ids[:, -model.max_positions :]
+        nxt = sample_next(model(ctx)[:, -1], temperature, top_k, generator)
+        input_ids = torch.cat([input_ids, nxt], dim=1)
+    return input_ids
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,

@@ -5,6 +5,7 @@
   (and other Llama-shaped configs) build :class:`zeal.models.llama.Llama`;
   ``gpt2`` builds :class:`zeal.models.GPT` (Conv1D ``(in, out)`` weights are
   transposed to ``nn.Linear``'s ``(out, in)``).
+* :func:`save_hf_folder` writes a zeal Llama back as such a folder.
 * A GGUF file (llama.cpp format, ``general.architecture == "llama"``), read with
   the ``gguf`` package and dequantized to float on load. llama.cpp stores Q and
   K projections with the rows of each head interleaved for its RoPE kernel;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,7 @@ from torch import nn
 
 from zeal.models.gpt import GPT, GPTConfig
 from zeal.models.llama import Llama, LlamaConfig
+from zeal.utils.paths import cache_dir
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "smollm"}
 
@@ -107,6 +110,37 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
     elif isinstance(model, GPT):
         model.lm_head.weight = model.transformer.wte.weight
     return model.eval(), cfg
+
+
+def save_hf_folder(model: Llama, path: str | os.PathLike) -> Path:
+    """Export a zeal :class:`Llama` as a Hugging Face folder: ``config.json`` plus one
+    ``model.safetensors`` under HF's names (the tied head is stored once, as HF does).
+    Written to a temporary folder, fsynced, then renamed over ``path``: a failed export
+    leaves the previous folder intact. Under ZeRO-3, call it with the parameters gathered."""
+    if not isinstance(model, Llama):
+        raise TypeError(f"save_hf_folder exports zeal's Llama, got {type(model).__name__} "
+                        "(zeal's GPT exports through `zeal checkpoint export`)")
+    out = Path(path)
+    cfg = model.config.to_hf()
+    sd = model.state_dict()
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    # own, contiguous storage per tensor: safetensors refuses shared or strided views
+    sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+    cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
 
 
 # ---------------------------------------------------------------- GGUF
@@ -247,8 +281,6 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     }
     (tmp / "tokenizer_config.json").write_text(json.dumps(tcfg, indent=2))
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
@@ -274,7 +306,7 @@ def default_model_path() -> Path:
     ggufs = sorted(pkg.glob("*.gguf"))
     if not ggufs:
         raise FileNotFoundError(f"no .gguf file found in {pkg}")
-    cache = Path(os.environ.get("ZEAL_CACHE", Path.home() / ".cache" / "zeal"))
+    cache = cache_dir()
     out = cache / ggufs[0].stem
     if not (out / "model.safetensors").exists():
         convert_gguf(ggufs[0], out)

@@ -1,28 +1,32 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM): RoPE, RMSNorm, SwiGLU, GQA.
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM`` layout
-(``model.layers.0.self_attn.q_proj.weight`` ...), so a ``transformers`` folder
-loads with no renaming. The forward pass works on a *flat* batch of tokens
-``(T,)`` with their absolute positions: the attention over past tokens is
-delegated to an ``attn`` callable (the serving engine passes one that reads and
-writes a paged KV cache; :func:`dense_causal_attention` serves one sequence with
-no cache). Linear layers therefore see every token of a ragged batch at once.
+One module for training and serving. Parameter names follow Hugging Face's
+``LlamaForCausalLM`` layout (``model.layers.0.self_attn.q_proj.weight`` ...), so a
+``transformers`` folder loads with no renaming (:meth:`Llama.from_hf_folder`) and
+exports as one (:meth:`Llama.save_hf_folder`). Each layer is a module with its own
+``forward(x, rope, attention)``: ``x`` is ``(B, T, d)`` in training or a flat ragged
+serving batch ``(T, d)``; ``rope`` holds the rotary angles of the tokens' positions
+(computed once per pass, not once per layer); ``attention`` is dense causal attention
+(training) or the engine's paged attention, and names the op backend (torch, or the
+fused CPU kernels in a no-grad pass).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, run_blocks
+from zeal.models.attention import DENSE, Attention, dense_causal_attention, fused_ops
+from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 
-# attn(layer_idx, q (T, n_head, hd), k (T, n_kv, hd), v (T, n_kv, hd)) -> (T, n_head, hd)
-AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["Llama", "LlamaConfig", "LlamaLayer", "Rope", "apply_rope", "dense_causal_attention", "rope_inv_freq"]
 
 
 @dataclass
@@ -41,6 +45,7 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    initializer_range: float = 0.02  # std of the normal init of linear and embedding weights
     attention_bias: bool = False  # Qwen2: True (q/k/v only)
     mlp_bias: bool = False
     model_type: str = "llama"
@@ -79,6 +84,7 @@ class LlamaConfig:
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
+            initializer_range=d.get("initializer_range", 0.02),
             attention_bias=d.get("attention_bias", model_type == "qwen2"),
             mlp_bias=d.get("mlp_bias", False),
             model_type=model_type,
@@ -87,6 +93,7 @@ class LlamaConfig:
         )
 
     def to_hf(self) -> dict:
+        """The ``config.json`` dict (transformers' ``LlamaConfig`` / ``Qwen2Config`` keys)."""
         d = asdict(self)
         d.pop("extra")
         d["architectures"] = ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"]
@@ -117,7 +124,7 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF ("rotate half") layout. x: (T, heads, hd); cos/sin: (T, 1, hd)."""
+    """HF ("rotate half") layout. x: (..., T, heads, hd); cos/sin: (..., T, 1, hd)."""
     h = x.shape[-1] // 2
     out = x * cos  # plus rotate_half(x) * sin, without materialising the rotated copy
     out[..., :h] -= x[..., h:] * sin[..., :h]
@@ -125,22 +132,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention for one sequence: q (T, nh, hd), k/v (T, nkv, hd) -> (T, nh, hd)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    # 4-D (1, heads, T, hd): the fused CPU/CUDA kernels want a batch dimension
-    y = F.scaled_dot_product_attention(*(z.transpose(0, 1)[None] for z in (q, k, v)), is_causal=True)
-    return y[0].transpose(0, 1)
+class Rope(NamedTuple):
+    """cos and sin of the rotary angles of a pass's tokens, computed once per forward by
+    :meth:`Llama.rope` and read by every layer. Torch ops: ``(..., T, 1, hd)`` in the
+    model's dtype (as Hugging Face rounds them); fused ops: ``(T, hd/2)`` in fp32."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. ``norm(x, add=d, ops=ops)`` first adds the residual branch
+    into ``x`` in place (``x += d``; serving only), in the same pass when given fused ``ops``."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, ops: object | None = None) -> torch.Tensor:
+        if ops is not None:
+            out = torch.empty_like(x)
+            ops.rms_norm(x, add, self.weight, self.eps, out)
+            return out
+        if add is not None:
+            x = x.add_(add)
         if not torch.is_grad_enabled():  # serving: the same arithmetic, in place (see LlamaMLP)
             xf = x.to(torch.float32, copy=True)
             xf.mul_(torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(self.eps)))
@@ -151,8 +167,11 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """q/k/v projections, RoPE, attention by the pass's attention object, output projection."""
+
+    def __init__(self, cfg: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # what ``attention`` is told (the paged KV cache is per layer)
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         d, b = cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(d, self.nh * self.hd, bias=b)
@@ -160,8 +179,23 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=b)
         self.o_proj = nn.Linear(self.nh * self.hd, d, bias=cfg.attention_bias and cfg.model_type != "qwen2")
 
+    def forward(self, h: torch.Tensor, rope: Rope, attention: Attention = DENSE) -> torch.Tensor:
+        """h (..., T, d) normalised -> (..., T, d)."""
+        lead = h.shape[:-1]
+        q = self.q_proj(h).view(*lead, self.nh, self.hd)
+        k = self.k_proj(h).view(*lead, self.nkv, self.hd)
+        v = self.v_proj(h).view(*lead, self.nkv, self.hd)
+        ops = fused_ops(attention)
+        if ops is None:
+            q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
+        else:
+            ops.rope(q, k, rope.cos, rope.sin)  # in place, angles in fp32
+        return self.o_proj(attention(self.layer_idx, q, k, v).reshape(*lead, self.nh * self.hd))
+
 
 class LlamaMLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         d, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
@@ -169,7 +203,11 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(d, i, bias=b)
         self.down_proj = nn.Linear(i, d, bias=b)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: object | None = None) -> torch.Tensor:
+        if ops is not None:
+            gate = self.gate_proj(x)
+            ops.silu_mul(gate, self.up_proj(x))  # gate = silu(gate) * up, in place
+            return self.down_proj(gate)
         if not torch.is_grad_enabled():
             # serving: overwrite the gate's fresh output instead of writing two new
             # activation-sized tensors (512-token CPU passes 2-5 % faster, bit-identical)
@@ -178,23 +216,34 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaLayer(nn.Module):
+    """One decoder layer: ``forward(x, rope, attention)``, x ``(..., T, d)`` -> same shape.
+
+    The one forward of a Llama layer, for training (dense attention, autograd) and
+    serving (paged attention). When the attention object carries fused ops and grad
+    is off, each RMSNorm also adds the residual branch into ``x`` in place, RoPE
+    rotates q and k in place and SiLU-gating overwrites the gate: the same arithmetic
+    in fewer passes over memory."""
+
     def __init__(self, cfg: LlamaConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.layer_idx = layer_idx  # what ``attn`` is told (the paged KV cache is per layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        """One decoder layer over a flat batch: x (T, d); cos/sin (T, 1, hd)."""
-        t, a = x.shape[0], self.self_attn
-        h = self.input_layernorm(x)
-        q = apply_rope(a.q_proj(h).view(t, a.nh, a.hd), cos, sin)
-        k = apply_rope(a.k_proj(h).view(t, a.nkv, a.hd), cos, sin)
-        v = a.v_proj(h).view(t, a.nkv, a.hd)
-        x = x + a.o_proj(attn(self.layer_idx, q, k, v).reshape(t, a.nh * a.hd))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    @property
+    def layer_idx(self) -> int:
+        return self.self_attn.layer_idx
+
+    def forward(self, x: torch.Tensor, rope: Rope, attention: Attention = DENSE) -> torch.Tensor:
+        ops = fused_ops(attention)
+        if ops is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, attention)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # serving: x is this pass's own residual stream, updated in place
+        o = self.self_attn(self.input_layernorm(x, ops=ops), rope, attention)
+        h = self.post_attention_layernorm(x, add=o, ops=ops)  # x += o; h = norm(x)
+        return x.add_(self.mlp(h, ops))
 
 
 class _LlamaTrunk(nn.Module):
@@ -206,14 +255,17 @@ class _LlamaTrunk(nn.Module):
 
 
 class Llama(nn.Module, Checkpointable):
-    """Llama-family causal LM over a flat token batch.
+    """Llama-family causal LM, one module for training and serving.
 
-    ``forward(input_ids (T,), positions (T,), attn, logits_index=None)`` returns
-    logits ``(T', vocab)`` for the rows picked by ``logits_index`` (all rows when
-    None), so that a serving step projects only the tokens it samples from.
-    ``checkpoint_activations = True`` recomputes each layer in backward (training
-    forwards only: ``attn`` then runs twice per layer, so it must have no side
-    effects, as :func:`dense_causal_attention` has none).
+    ``forward(input_ids (B, T), labels=None)`` returns logits ``(B, T, vocab)``, or the
+    mean next-token cross-entropy when ``labels`` is given (as :class:`zeal.models.GPT`:
+    labels are the inputs, shifted inside, ``-100`` ignored). Serving passes a flat
+    batch ``input_ids (T,)`` with ``positions (T,)``, a paged ``attention`` object and
+    ``logits_index`` (the rows to project, so that a step projects only the tokens it
+    samples from). ``checkpoint_activations = True`` recomputes each layer in backward
+    (training forwards only: attention then runs twice per layer, so it must have no
+    side effects, as dense attention has none). The head is tied to the embedding when
+    ``config.tie_word_embeddings``.
     """
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -225,11 +277,25 @@ class Llama(nn.Module, Checkpointable):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.checkpoint_policy = CheckpointPolicy()
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Hugging Face's Llama initialisation, per module (zeal's meta-device
+        materialisation calls it one module at a time)."""
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, 0.0, std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
 
     def layer_stack(self) -> nn.ModuleList:
         """The decoder layers (what activation checkpointing groups)."""
         return self.model.layers
 
+    # what the serving engine sizes its KV cache and context by
     @property
     def num_kv_heads(self) -> int:
         return self.config.num_key_value_heads
@@ -246,55 +312,59 @@ class Llama(nn.Module, Checkpointable):
     def max_positions(self) -> int:
         return self.config.max_position_embeddings
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttnFn | None = None,
-        logits_index: torch.Tensor | None = None,
-        kernels: object | None = None,
-    ) -> torch.Tensor:
-        """``kernels``: fused CPU ops (``zeal.inference.kernels``) for RMSNorm with the
-        residual add, RoPE and SiLU-gating, used without autograd (serving)."""
-        if attn is None:  # one sequence, no cache
-            def attn(_layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-                return dense_causal_attention(q, k, v)
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, fused: bool = False) -> Rope:
+        """The rotary tables of ``positions`` (any shape) for the layers (see :class:`Rope`)."""
+        inv = self.inv_freq
+        if inv.is_meta or inv.dtype != torch.float32 or inv.device != positions.device:
+            # built on the meta device, or cast with the weights: the frequencies come from the config
+            inv = self.inv_freq = rope_inv_freq(self.config).to(positions.device)
+        freqs = positions.float()[..., None] * inv  # (..., T, hd/2)
+        if fused:
+            return Rope(freqs.cos(), freqs.sin())
+        emb = torch.cat((freqs, freqs), dim=-1)[..., None, :]  # (..., T, 1, hd)
+        return Rope(emb.cos().to(dtype), emb.sin().to(dtype))
 
-        if kernels is not None and not torch.is_grad_enabled():
-            return self._fused_forward(input_ids, positions, attn, logits_index, kernels)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, attention: Attention = DENSE,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` (B, T), or (T,) for a flat serving batch; ``positions`` default
+        ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        ops = fused_ops(attention)
         x = self.model.embed_tokens(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, hd)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        x = run_blocks(self.model.layers, x, self.checkpoint_policy, cos, sin, attn)
+        rope = self.rope(positions, x.dtype, fused=ops is not None)
+        x = run_blocks(self.model.layers, x, self.checkpoint_policy, rope, attention)
         if logits_index is not None:
             x = x[logits_index]
-        return self.lm_head(self.model.norm(x))
+        h = self.model.norm(x, ops=ops)
+        if labels is None:
+            return self.lm_head(h)
+        if h.dim() == 2:  # a flat batch is one sequence
+            h, labels = h[None], labels[None]
+        return causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
 
-    def _fused_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttnFn,
-                       logits_index: torch.Tensor | None, ops) -> torch.Tensor:
-        """The same layers with fused elementwise kernels: each RMSNorm also adds the
-        residual branch into ``x`` in place, RoPE rotates q and k in place (cos/sin in
-        fp32), SiLU-gating overwrites the gate."""
-        x = self.model.embed_tokens(input_ids)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, hd/2)
-        cos, sin = freqs.cos(), freqs.sin()
-        t, layers = input_ids.shape[0], self.model.layers
-        h = torch.empty_like(x)
-        norm = layers[0].input_layernorm
-        ops.rms_norm(x, None, norm.weight, norm.eps, h)
-        for i, layer in enumerate(layers):
-            a, mlp = layer.self_attn, layer.mlp
-            q, k = a.q_proj(h).view(t, a.nh, a.hd), a.k_proj(h).view(t, a.nkv, a.hd)
-            v = a.v_proj(h).view(t, a.nkv, a.hd)
-            ops.rope(q, k, cos, sin)
-            o = a.o_proj(attn(i, q, k, v).reshape(t, a.nh * a.hd))
-            norm = layer.post_attention_layernorm
-            ops.rms_norm(x, o, norm.weight, norm.eps, h)  # x += o; h = norm(x)
-            gate = mlp.gate_proj(h)
-            ops.silu_mul(gate, mlp.up_proj(h))
-            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            ops.rms_norm(x, mlp.down_proj(gate), norm.weight, norm.eps, h)
-        if logits_index is not None:
-            h = h[logits_index]
-        return self.lm_head(h)
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Plain sampling without a KV cache, as :meth:`zeal.models.GPT.generate`."""
+        from zeal.models.gpt import generate_plain
+
+        return generate_plain(self, input_ids, max_new_tokens, temperature, top_k, generator)
+
+    @classmethod
+    def from_hf_folder(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Llama:
+        """Load a Hugging Face Llama-family folder (``config.json`` + safetensors), in eval mode."""
+        from zeal.models.hf import load_hf_model
+
+        model, _ = load_hf_model(path, dtype)
+        if not isinstance(model, cls):
+            raise ValueError(f"{path} holds a {type(model).__name__}, not a Llama-family model")
+        return model
+
+    def save_hf_folder(self, path: str | os.PathLike) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` with Hugging Face's names, loadable by
+        ``transformers.LlamaForCausalLM.from_pretrained`` (see :func:`zeal.models.hf.save_hf_folder`)."""
+        from zeal.models.hf import save_hf_folder
+
+        return save_hf_folder(self, path)
