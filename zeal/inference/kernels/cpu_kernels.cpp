@@ -6,8 +6,8 @@
 // (AVX-512, AVX2, NEON); the one ISA-specific path, bf16 prompt attention on
 // AVX512-BF16, sits behind its feature macro. Threads come from ATen's own pool
 // (at::parallel_for; the library links the libgomp torch already loaded), so they never
-// compete with a second OpenMP runtime. The pure-torch code in attention.py, llama.py
-// and gpt_adapter.py is the reference each kernel is tested against.
+// compete with a second OpenMP runtime. The pure-torch code in inference/attention.py and
+// models/ (gpt.py, llama.py, attention.py) is the reference each kernel is tested against.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
