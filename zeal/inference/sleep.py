@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zeal.utils.process import trim_heap
+
 
 class EngineAsleepError(RuntimeError):
     """The engine was asked to generate while its memory is released."""
@@ -65,6 +67,8 @@ def release(tensors: Iterable[torch.Tensor], keep_on_host: bool = False) -> Rele
         st.resize_(0)
     if any(st.device.type == "cuda" for st, _ in out.storages):
         torch.cuda.empty_cache()  # back to the driver, not only to torch's caching allocator
+    if any(st.device.type == "cpu" for st, _ in out.storages):
+        trim_heap()  # back to the OS, also where glibc kept the blocks in its heap
     return out
 
 

@@ -37,9 +37,9 @@ from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.lr_schedules import build_scheduler
+from zeal.utils.process import set_malloc_thresholds
 from zeal.zero.apply import apply_zero
 from zeal.zero.offload.apply import apply_offload
-from zeal.zero.offload.host_memory import return_freed_memory_eagerly
 from zeal.zero.stages import resolve_stage
 from zeal.zero.units import default_init_fn
 
@@ -111,8 +111,9 @@ def _mesh(cfg: Config) -> Mesh:
         raise ConfigError(str(e)) from None
     if resolve_stage(zc.stage).partitions_params or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
         # Stage 3 and the disk tier exist to bound memory; on CPU their per-step gather and
-        # gradient buffers would otherwise stay resident as freed-but-kept heap.
-        return_freed_memory_eagerly()
+        # gradient buffers (tens of MB, below glibc's dynamic mmap threshold) would otherwise
+        # stay resident as freed-but-kept heap: every block of 1 MB or more gets its own mmap.
+        set_malloc_thresholds(1 << 20)
     return mesh
 
 

@@ -54,3 +54,17 @@ def set_malloc_thresholds(threshold_bytes: int) -> bool:
     if ok:
         log.debug("glibc mmap/trim thresholds set to %d bytes", threshold_bytes)
     return ok
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the OS now (glibc ``malloc_trim``); True when
+    it ran. Freed blocks that glibc served from its heap (below its mmap threshold, which
+    it raises by itself after large frees) otherwise stay resident."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

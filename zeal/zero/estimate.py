@@ -57,7 +57,7 @@ HOST_BASELINE_BYTES = 305 * MIB
 # 124M GPT, fp32 and bf16, checkpointing on and off); the median is counted, capped at what
 # a step frees into the heap at all (its activations and autograd's gradients, c·Ψ), so that
 # a small model is not charged more than it could leave behind. Stage 3 and the
-# NVMe tier return freed blocks at once (mmap threshold 1 MiB, zeal.zero.offload.host_memory):
+# NVMe tier return freed blocks at once (mmap threshold 1 MiB, zeal.utils.process.set_malloc_thresholds):
 # 1–4 MiB measured, counted as 0.
 HOST_HEAP_SLACK_BYTES = 195 * MIB
 # zeal's defaults (zeal.config.schema.ZeroConfig) and zeal.zero.units.COALESCE_BLOCK_ELEMS
