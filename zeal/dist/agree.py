@@ -2,15 +2,15 @@
 rank learn the first error any rank had, so that all of them raise together instead of
 some waiting in a collective for a rank that already gave up.
 
-These are control messages outside training: they go straight to torch.distributed on
-the Comm's group and are not counted in its statistics. At world size 1 nothing is sent.
+These are control messages outside training: they go through the Comm like every other
+collective and are counted as kind "control". At world size 1 nothing is sent.
 """
 
 from __future__ import annotations
 
 import torch
 
-from zeal.dist.comm import Comm, all_gather_flat
+from zeal.dist.comm import Comm
 
 
 def gather_strings(comm: Comm, s: str, width: int = 8192) -> list[str]:
@@ -23,7 +23,7 @@ def gather_strings(comm: Comm, s: str, width: int = 8192) -> list[str]:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     device = comm.ctx.device  # NCCL groups take device tensors only
     out = torch.zeros(width * comm.size, dtype=torch.uint8, device=device)
-    all_gather_flat(out, buf.to(device), group=comm.group)
+    comm.all_gather(out, buf.to(device), "control")
     out = out.cpu()
     return [bytes(out[i * width:(i + 1) * width].tolist()).rstrip(b"\0").decode(errors="replace")
             for i in range(comm.size)]
