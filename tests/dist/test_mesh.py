@@ -52,10 +52,9 @@ def test_node_layout_zeropp_groups():
 
 
 def _mesh_groups(rank: int, world: int, tp: int, ep: int) -> dict:
-    from zeal.dist.context import init_distributed
     from zeal.dist.mesh import build_mesh
 
-    mesh = build_mesh(init_distributed(), tp=tp, ep=ep)
+    mesh = build_mesh(dp=world // tp, tp=tp, ep=ep)  # joins torchrun's job
     out = {"coords": {d: getattr(mesh, f"{d}_rank") for d in ("dp", "tp", "pp", "ep")},
            "sizes": {d: getattr(mesh, f"{d}_size") for d in ("dp", "tp", "pp", "ep")}}
     for dim in ("dp", "tp", "ep", "edp"):

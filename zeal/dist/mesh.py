@@ -193,10 +193,19 @@ class Mesh:
             ", ".join(f"{d}_rank={self.coords[d]}" for d in DIMS)
 
 
-def build_mesh(ctx: DistContext, tp: int = 1, pp: int = 1, ep: int = 1, hpz: int | None = None) -> Mesh:
+def build_mesh(ctx: DistContext | None = None, *, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
+               hpz: int | None = None) -> Mesh:
     """Create every group of the layout on this rank (collectively: all ranks call this
-    with the same sizes). ``hpz`` (the ZeRO++ secondary-partition size) also builds the
-    node dimensions ``intra``, ``inter`` and ``hpz``; None builds none."""
+    with the same sizes). ``ctx`` defaults to joining torchrun's job
+    (:func:`~zeal.dist.context.init_distributed`); ``dp`` defaults to what the other sizes
+    leave of the world (given, it must match). ``hpz`` (the ZeRO++ secondary-partition
+    size) also builds the node dimensions ``intra``, ``inter`` and ``hpz``; None builds none."""
+    if ctx is None:
+        from zeal.dist.context import init_distributed
+
+        ctx = init_distributed()
+    if dp is not None and dp * tp * pp != ctx.world_size:
+        raise ValueError(f"mesh dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} != world size {ctx.world_size}")
     groups = layout(ctx.world_size, tp, pp, ep)
     if hpz is not None:
         groups.update(node_layout(groups["dp"], ctx.local_world_size, hpz))
