@@ -62,6 +62,9 @@ ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
 def worker(spec: dict) -> None:
+    # Every system runs with the same allocator setting zeal's commands use (transparent huge
+    # pages for large CPU tensors); it must be set before torch's first allocation.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     import torch
     import torch.distributed as dist
 
@@ -115,7 +118,7 @@ def worker(spec: dict) -> None:
     elif kind == "zeal":
         import zeal
 
-        zeal.apply_process_settings()  # huge pages, as `zeal train` does
+        zeal.apply_process_settings()  # as `zeal train` does (huge pages already set above)
 
         zcfg = {
             "train_micro_batch_size_per_gpu": micro,
