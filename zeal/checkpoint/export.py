@@ -5,8 +5,9 @@ boxes (:class:`~zeal.checkpoint.reader.SavedShards`), converted and written befo
 read, so peak memory is a few times the largest single tensor, never the model.
 zeal's GPT (``zeal.models.gpt.GPT``) becomes a ``GPT2LMHeadModel`` folder (HF GPT-2
 stores the attention/MLP projections as ``Conv1D``, the transpose of ``nn.Linear``;
-the tied LM head is left to ``tie_word_embeddings``); a Hugging Face model trained
-under zeal keeps its own names and ``config.json``.
+the tied LM head is left to ``tie_word_embeddings``); zeal's Llama already uses
+Hugging Face's names and becomes a ``LlamaForCausalLM`` folder; a Hugging Face model
+trained under zeal keeps its own names and ``config.json``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from zeal.checkpoint.save import META
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ZEAL_GPT = "zeal.models.gpt.GPT"
+ZEAL_LLAMA = "zeal.models.llama.Llama"
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -71,6 +73,10 @@ def _plan(meta: dict) -> tuple[list[tuple[str, str, str, bool]], dict]:
         out.append((key, kind, src, gpt and key.endswith(_CONV1D)))
     if gpt:
         config = _hf_gpt2_config(cfg or {})
+    elif cls == ZEAL_LLAMA and cfg is not None:
+        from zeal.models.llama import LlamaConfig
+
+        config = LlamaConfig(**cfg).to_hf()
     elif cfg is not None:
         config = dict(cfg)
         if not config.get("architectures"):
