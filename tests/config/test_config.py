@@ -7,7 +7,7 @@ import json
 import pytest
 
 import zeal
-from zeal.config import ConfigError, load_config
+from zeal.config import AutoValues, ConfigError, load_config
 from zeal.models import GPT, GPTConfig
 
 
@@ -56,9 +56,10 @@ def test_known_but_unsupported_keys_say_so():
 
 def test_harmless_deepspeed_keys_are_accepted():
     cfg = load_config({"zero_allow_untested_optimizer": True, "optimizer": {"type": "Adam", "params": {"lr": "auto"}},
-                       "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}})
+                       "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": True}},
+                      AutoValues(lr=1e-3, hidden_size=100))
     assert cfg.optimizer.type == "AdamW"  # DeepSpeed's Adam is decoupled unless adam_w_mode is false
-    assert cfg.zero_optimization.reduce_bucket_size == 5_000_000
+    assert cfg.zero_optimization.reduce_bucket_size == 100 * 100  # "auto": Hugging Face's h*h
     assert load_config({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}).optimizer.type == "Adam"
 
 

@@ -98,13 +98,13 @@ def _plan_json(p: Plan) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table (and the recommendation)."""
-    from zeal.config import load_config
+    from zeal.config import AutoValues, load_config
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     micro, precision, chosen_stage, ckpt = 8, "bf16", None, args.checkpointing
     if args.config:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, AutoValues(micro_batch=args.micro_batch, strict=False))  # sizes only
         _, micro, _ = cfg.resolve_batch(args.world_size)
         precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
         chosen_stage = cfg.zero_optimization.stage

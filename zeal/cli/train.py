@@ -66,7 +66,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     """The validated JobSpec for these arguments (raises UsageError / ValueError)."""
     from zeal.config import load_config
-    from zeal.config.job import JobSection, JobSpec, check_spec, merge_engine_config, resolve_precision
+    from zeal.config.job import (
+        JobSection,
+        JobSpec,
+        check_spec,
+        merge_engine_config,
+        resolve_auto,
+        resolve_precision,
+    )
     from zeal.config.schema import Config
 
     tree: dict[str, Any] = {"model": {}, "data": {}, "job": {}, "process": {}, "engine": {}}
@@ -128,6 +135,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     except ValidationError as e:
         raise UsageError(_one_line(e)) from None
     check_spec(spec)
+    try:
+        spec, _ = resolve_auto(spec)  # DeepSpeed's "auto" from the flags and the default job
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     spec = resolve_precision(spec)
     cfg = load_config(spec.engine)  # raises ConfigError naming the key
     world = int(os.environ.get("WORLD_SIZE", spec.job.nproc))

@@ -19,13 +19,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from zeal.config.ds_compat import translate
+from zeal.config.ds_compat import AutoValues, translate
 from zeal.config.inference import InferenceConfig
 from zeal.config.job import JobSpec
 from zeal.config.process import ProcessConfig
 from zeal.config.schema import Config, ZeroConfig
 
-__all__ = ["Config", "ZeroConfig", "ConfigError", "InferenceConfig", "JobSpec", "ProcessConfig", "load_config"]
+__all__ = ["AutoValues", "Config", "ZeroConfig", "ConfigError", "InferenceConfig", "JobSpec", "ProcessConfig", "load_config"]
 
 log = logging.getLogger("zeal")
 
@@ -34,8 +34,12 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message names the key path and the rule."""
 
 
-def load_config(source: Config | dict[str, Any] | str | os.PathLike | None) -> Config:
-    """Build a :class:`Config` from a dict, a JSON/YAML file or an existing Config."""
+def load_config(source: Config | dict[str, Any] | str | os.PathLike | None, auto: AutoValues | None = None) -> Config:
+    """Build a :class:`Config` from a dict, a JSON/YAML file or an existing Config.
+
+    DeepSpeed's ``"auto"`` values take the job's own values given in ``auto`` (as the
+    Hugging Face integration fills them from its ``TrainingArguments``); one that nothing
+    gives is a :class:`ConfigError` naming the key (see :mod:`zeal.config.ds_compat`)."""
     if source is None:
         return Config()
     if isinstance(source, Config):
@@ -60,15 +64,25 @@ def load_config(source: Config | dict[str, Any] | str | os.PathLike | None) -> C
     if not isinstance(source, dict):
         raise ConfigError(f"config must be a dict, a path or a zeal.Config, got {type(source).__name__}")
     try:
-        cfg, notes = translate(source)
+        cfg, notes = translate(source, auto)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for n in notes:
-        log.info(n)
+        _note_once(n)
     try:
         return Config.model_validate(cfg)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+
+
+_SAID: set[str] = set()
+
+
+def _note_once(note: str) -> None:
+    """Log a compatibility note the first time this process meets it."""
+    if note not in _SAID:
+        _SAID.add(note)
+        log.info(note)
 
 
 def format_validation_error(e: ValidationError) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from zeal.config.ds_compat import AutoValues
 from zeal.config.process import ProcessConfig
 from zeal.config.schema import Section
 
@@ -137,18 +138,54 @@ def _deep_merge(base: dict, over: dict, replace: tuple[str, ...] = ()) -> dict:
     return out
 
 
+def _wants_bf16(spec: JobSpec) -> bool:
+    """bf16 as ``job.precision`` says (auto: where native), unless the config turns fp16 on."""
+    from zeal.utils.hardware import native_bf16
+
+    fp16 = spec.engine.get("fp16")
+    if isinstance(fp16, dict) and fp16.get("enabled") is True:
+        return False
+    return spec.job.precision == "bf16" or (spec.job.precision == "auto" and native_bf16())
+
+
 def resolve_precision(spec: JobSpec) -> JobSpec:
     """Set the engine's ``bf16.enabled`` from ``job.precision`` unless the engine
     config already decides it (``bf16.enabled`` true/false or fp16 enabled)."""
-    from zeal.utils.hardware import native_bf16
-
     engine = copy.deepcopy(spec.engine)
     bf16 = engine.get("bf16") if isinstance(engine.get("bf16"), dict) else {}
     fp16_on = isinstance(engine.get("fp16"), dict) and engine["fp16"].get("enabled") is True
-    if bf16.get("enabled") in (None, "auto") and not fp16_on:
-        want = spec.job.precision == "bf16" or (spec.job.precision == "auto" and native_bf16())
-        engine["bf16"] = {**bf16, "enabled": want}
+    if bf16.get("enabled") in (None, "auto") and not fp16_on and "bfloat16" not in engine:
+        engine["bf16"] = {**bf16, "enabled": _wants_bf16(spec)}
     return spec.model_copy(update={"engine": engine})
+
+
+def job_auto_values(spec: JobSpec) -> AutoValues:
+    """The job's values that DeepSpeed's ``"auto"`` takes in ``zeal train`` (as Hugging
+    Face fills them from its TrainingArguments): the flags, else the default job's."""
+    d = default_engine_config(spec.job)
+    opt = d["optimizer"]["params"]
+    hidden = spec.model.n_embd
+    if spec.job.hf_model:
+        try:
+            hf = json.loads((Path(spec.job.hf_model) / "config.json").read_text())
+        except (OSError, ValueError):
+            hf = {}
+        hidden = hf.get("hidden_size") or hf.get("n_embd") or hf.get("d_model")
+    return AutoValues(
+        micro_batch=d["train_micro_batch_size_per_gpu"], grad_accum=d["gradient_accumulation_steps"], lr=spec.job.lr,
+        betas=tuple(opt["betas"]), eps=1e-8, weight_decay=opt["weight_decay"], gradient_clipping=d["gradient_clipping"],
+        fp16=False, bf16=_wants_bf16(spec), warmup_steps=d["scheduler"]["params"]["warmup_num_steps"],
+        total_steps=spec.job.steps, hidden_size=hidden)
+
+
+def resolve_auto(spec: JobSpec) -> tuple[JobSpec, list[str]]:
+    """The spec with every ``"auto"`` of its engine config resolved from the job
+    (:func:`job_auto_values`); the notes say what each became. Raises ValueError
+    naming a key nothing gives."""
+    from zeal.config.ds_compat import resolve_auto_in
+
+    engine, notes = resolve_auto_in(spec.engine, job_auto_values(spec))
+    return spec.model_copy(update={"engine": engine}), notes
 
 
 def write_spec(spec: JobSpec, path: Path) -> None:

@@ -25,7 +25,7 @@ class OptimizerConfig(Section):
 
 
 class SchedulerConfig(Section):
-    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] = Field(
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = Field(
         ..., description="Learning-rate schedule, stepped once per optimizer step."
     )
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the schedule.")

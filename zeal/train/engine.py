@@ -120,13 +120,25 @@ class TrainEngine:
     def zero_stage(self) -> int:
         return self.config.zero_optimization.stage
 
-    @property
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (DeepSpeed's accessor)."""
+        return self.zero_stage
+
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
         return self._p.grad_accum
 
-    @property
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward."""
         return self._p.micro_batch
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self._p.micro_batch * self._p.grad_accum * self.mesh.dp_size
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every param group."""
+        return [g["lr"] for g in self.optimizer.param_groups]
 
     @property
     def skipped_steps(self) -> int:
@@ -170,8 +182,9 @@ class TrainEngine:
         self._tick("forward", t0)
         return out
 
-    def backward(self, loss: Any) -> None:
-        """Back-propagate ``loss`` (a tensor, or an output object with ``.loss``)."""
+    def backward(self, loss: Any, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """Back-propagate ``loss`` (a tensor, or an output object with ``.loss``), divided
+        by the accumulation steps unless ``scale_wrt_gas`` is false (DeepSpeed's keywords)."""
         if not isinstance(loss, torch.Tensor):
             loss = getattr(loss, "loss", None)
             if loss is None:
@@ -179,8 +192,8 @@ class TrainEngine:
         t0 = time.perf_counter()
         p = self._p
         run_hooks(self._hooks, "before_backward", self.is_gradient_accumulation_boundary())
-        scale = (p.scaler.scale if p.scaler else 1.0) / p.grad_accum
-        (loss.float() * scale).backward()
+        scale = (p.scaler.scale if p.scaler else 1.0) / (p.grad_accum if scale_wrt_gas else 1)
+        (loss.float() * scale).backward(retain_graph=retain_graph)
         t1 = time.perf_counter()
         run_hooks(self._hooks, "after_backward")
         self._times["backward"] += t1 - t0 if self._timing else 0.0
@@ -281,6 +294,31 @@ class TrainEngine:
         with torch.no_grad(), self.gathered_parameters():
             return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
                     for k, v in self.module.state_dict().items()}
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole model's state dict in the compute dtype (fp16/bf16; fp32 when
+        training in fp32) to ``save_dir/save_filename`` from rank 0 — a ``.safetensors``
+        name writes safetensors, any other ``torch.save``. Every rank must call it (at
+        stage 3 the parameters are gathered; no config flag is needed)."""
+        import os
+
+        state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, q in self.module.named_parameters() if not q.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        dtype = self._p.compute_dtype
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if self.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+
+                save_file({k: v.contiguous() for k, v in state.items()}, path)
+            else:
+                torch.save(state, path)
+        return True
 
     # -- sharded state and checkpoints ----------------------------------------------------
     def sharded_state(self) -> contextlib.AbstractContextManager[ShardedState]:

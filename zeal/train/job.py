@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from zeal.config.job import JobSpec, read_spec, resolve_precision, write_spec  # noqa: F401 - read_spec re-exported
+from zeal.config.job import JobSpec, read_spec, resolve_auto, resolve_precision, write_spec  # noqa: F401 - read_spec re-exported
 from zeal.dist.comm import Comm
 from zeal.models.gpt import sample_next
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
@@ -188,7 +188,11 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     """Train as the spec says, on this process's rank; returns the summary (rank 0's
     figures; every rank returns the same losses)."""
     apply_process_settings(spec.process)  # before any tensor: torch reads THP at its first allocation
-    run = _start(resolve_precision(spec))
+    spec, auto_notes = resolve_auto(spec)
+    spec = resolve_precision(spec)
+    run = _start(spec)
+    for note in auto_notes:
+        run.say(note)
     eval_before = run.held_out(run.start_step)
     run.say(f"held-out loss at step {run.start_step}: {eval_before:.4f}", flush=True)
     final_step, train_loss, train_time = _train(run)
@@ -224,6 +228,8 @@ def _start(spec: JobSpec) -> _Run:
         run.start_step = int(state.get("step", engine.global_steps))
         run.tokens_done = int(state.get("tokens", 0))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
+    run.say("engine config (DeepSpeed keys, \"auto\" resolved; saved in config.json): "
+            + json.dumps(spec.engine, separators=(",", ":")), flush=True)
     mixed = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
     run.say(f"zeal train: {_num_params(engine.module) / 1e6:.2f}M params, {engine.world_size} process(es), ZeRO "
             f"stage {cfg.zero_optimization.stage}, {mixed}, {len(blocks.train_index)} train / "

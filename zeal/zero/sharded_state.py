@@ -306,3 +306,17 @@ def _sync_model(parts: _Parts) -> None:
         if parts.coordinator is not None:
             parts.coordinator.refresh_persistent(frozen_too=True)
     stats.step, stats.total = saved
+
+
+def set_full_values(engine: Any, values: dict[str, torch.Tensor]) -> None:
+    """Overwrite the named parameters with full values (every rank passes the same ones):
+    every box this rank holds of them, masters included, then the model copy is
+    re-synchronised. Parameters not named keep their state. All ranks call it."""
+    parts = _parts(engine)
+    with _resident(parts, writeback=True):
+        with torch.no_grad():
+            for t in _targets(parts, owned=False):
+                v = values.get(t.info.name)
+                if v is not None:
+                    t.values.copy_(v[index(t.box)].to(t.values.dtype))
+        _sync_model(parts)

@@ -1,0 +1,110 @@
+"""DeepSpeed's ``deepspeed.zero``: ``Init`` and ``GatheredParameters`` on zeal.
+
+``Init`` builds the model on the meta device (no memory); ``zeal.initialize``
+materialises each flat unit on its owning ranks only, so a stage-3 model never exists
+whole on one rank. ``GatheredParameters`` gives full parameters inside its block and,
+with ``modifier_rank``, makes that rank's changes everyone's (masters included)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+
+class Init:
+    """``with zero.Init(): model = MyModel()`` — the model is built on the meta device and
+    materialised by ``initialize`` (with the model's own initialiser). DeepSpeed's
+    arguments are accepted; ``enabled=False`` builds normally."""
+
+    def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
+                 remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
+                 config: Any = None, enabled: bool = True, dtype: torch.dtype | None = None, mpu: Any = None,
+                 **kwargs: Any) -> None:
+        if module is not None:
+            raise ValueError("zero.Init(module=...) (partitioning a built module) is not supported; build the "
+                             "model inside `with zero.Init():` or pass it to initialize as it is")
+        self.enabled = enabled
+        self._device: Any = None
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            self._device = torch.device("meta")
+            self._device.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._device is not None:
+            self._device.__exit__(*exc)
+            self._device = None
+
+
+def _owner(params: list[torch.Tensor]) -> Any:
+    """The live zeal engine whose model holds any of ``params`` (None: a plain model)."""
+    from zeal.train.engine import _LIVE
+
+    ids = {id(p) for p in params}
+    for engine in list(_LIVE):
+        p = getattr(engine, "_p", None)
+        if p is not None and any(id(q) in ids for q in engine.module.parameters()):
+            return engine
+    return None
+
+
+@contextlib.contextmanager
+def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
+                       fwd_module: Any = None, enabled: bool = True) -> Iterator[None]:
+    """Full values of ``params`` inside the block (every rank calls it). With
+    ``modifier_rank``, what that rank wrote into them is broadcast on exit and becomes
+    the parameters' value everywhere, fp32 masters included; without it, changes are
+    discarded (as in DeepSpeed)."""
+    del fwd_module
+    params = [params] if isinstance(params, torch.Tensor) else [p for p in params if p is not None]
+    if not enabled or not params:
+        yield
+        return
+    engine = _owner(params)
+    if engine is None:
+        if any(p.is_meta for p in params):
+            raise RuntimeError("GatheredParameters: these parameters are on the meta device (built under "
+                               "zero.Init) until zeal.initialize materialises them; change them after initialize "
+                               "(engine.module), or give initialize an init_fn")
+        yield  # a plain model: the parameters are already whole
+        _broadcast_plain(params, modifier_rank)
+        return
+    ids = {id(p) for p in params}
+    full: dict[str, torch.Tensor] = {}
+    with engine.gathered_parameters():
+        yield
+        if modifier_rank is not None:
+            world = engine.mesh.world
+            for name, p in engine.module.named_parameters():
+                if id(p) in ids:
+                    t = p.data.detach().float().clone()
+                    if world.active:
+                        world.broadcast(t, modifier_rank, "control")
+                    full[name] = t
+    if modifier_rank is not None:
+        from zeal.zero.sharded_state import set_full_values
+
+        set_full_values(engine, full)
+
+
+def _broadcast_plain(params: list[torch.Tensor], modifier_rank: int | None) -> None:
+    import torch.distributed as dist
+
+    if modifier_rank is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, modifier_rank)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Accepted for compatibility: zeal gathers parameters used outside their module by itself."""
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Accepted for compatibility (see :func:`register_external_parameter`)."""
