@@ -159,7 +159,7 @@ def _accumulation_traffic(rank, world):
         torch.manual_seed(0)
         engine = zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                              "zero_optimization": {"stage": stage}})
-        stats = engine._p.comm.stats
+        stats = engine.mesh.stats
         x, y = make_batches(1, 1, world, 2)[0][0][rank]
         engine.backward(engine((x, y)))  # a non-boundary micro-step
         out[stage] = sum(c.calls for (op, kind, _dim), c in stats.step.items() if kind == "grad")

@@ -26,7 +26,7 @@ def _train(rank, world, variants):
     for name, zeropp in variants.items():
         torch.manual_seed(0)
         engine = zeal.initialize(GPT(CFG), _config(**zeropp))
-        stats = engine._p.comm.stats
+        stats = engine.mesh.stats
         g = torch.Generator().manual_seed(11 + rank)
         losses, bwd_param_inter, step_inter = [], [], []
         for _ in range(STEPS):

@@ -109,7 +109,7 @@ def initialize(
         loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler, drop_last=True,
                                              collate_fn=collate_fn)
     mesh.stats.step.clear()
-    parts = EngineParts(model, cfg, mesh, zero.stage, zero.units, zero.reducer, zopt, zero.coordinator,
+    parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
                         precision.scaler, scheduler, loader, precision.dtype, micro, accum)
     engine = TrainEngine(parts)
     for hook in zero.hooks:

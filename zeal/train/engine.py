@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from zeal.config import Config
-from zeal.dist.comm import Comm
 from zeal.dist.context import before_shutdown
 from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
@@ -33,7 +32,6 @@ from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
 from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.sharded_state import Box, ParamInfo, ParamShard, ShardedState
-from zeal.zero.stages import ZeroStage
 from zeal.zero.units import FlatUnit
 
 log = logging.getLogger("zeal")
@@ -55,7 +53,6 @@ class EngineParts:
     module: nn.Module
     config: Config
     mesh: Mesh
-    stage: ZeroStage
     units: list[FlatUnit]
     reducer: GradReducer
     zero_optimizer: ZeroOptimizer
@@ -66,11 +63,6 @@ class EngineParts:
     compute_dtype: torch.dtype
     micro_batch: int
     grad_accum: int
-
-    @property
-    def comm(self) -> Comm:
-        """The data-parallel Comm ZeRO shards over."""
-        return self.mesh.dp
 
 
 class TrainEngine:
