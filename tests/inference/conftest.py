@@ -16,6 +16,16 @@ VOCAB = 96
 cpu_kernels()
 
 
+@pytest.fixture(params=["fused", "torch"])
+def kernels(request, monkeypatch):
+    """Run with the fused CPU kernels (the default where they build) and with the pure-torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr("zeal.inference.model_runner.cpu_kernels", lambda: None)
+    elif cpu_kernels() is None:
+        pytest.skip("fused CPU kernels unavailable here")
+    return request.param
+
+
 def _char_tokenizer_json() -> str:
     """A word-level tokenizer over single characters (enough for server tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

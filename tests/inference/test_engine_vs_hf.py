@@ -6,7 +6,6 @@ import pytest
 
 from tests.inference.conftest import hf_greedy, mixed_prompts
 from zeal.inference import LLM, SamplingParams
-from zeal.inference.kernels import cpu_kernels
 
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -23,16 +22,6 @@ def case(request, llama_dir, gpt2_dir):
 
 def _tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
-
-
-@pytest.fixture(params=["fused", "torch"])
-def kernels(request, monkeypatch):
-    """Run with the fused CPU kernels (the default where they build) and with the pure-torch path."""
-    if request.param == "torch":
-        monkeypatch.setattr("zeal.inference.model_runner.cpu_kernels", lambda: None)
-    elif cpu_kernels() is None:
-        pytest.skip("fused CPU kernels unavailable here")
-    return request.param
 
 
 @pytest.mark.timeout(60)

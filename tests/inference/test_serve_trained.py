@@ -17,7 +17,6 @@ import torch
 import zeal
 from tests.inference.conftest import VOCAB, hf_greedy, mixed_prompts
 from zeal.inference import LLM, SamplingParams
-from zeal.inference.kernels import cpu_kernels
 from zeal.models import GPT, GPTConfig
 from zeal.models.llama import Llama, LlamaConfig
 
@@ -27,16 +26,6 @@ GPT_CFG = GPTConfig(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_he
 LLAMA_CFG = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                         initializer_range=0.08)
-
-
-@pytest.fixture(params=["fused", "torch"])
-def kernels(request, monkeypatch):
-    """The fused CPU kernels (the default where they build) and the pure-torch path."""
-    if request.param == "torch":
-        monkeypatch.setattr("zeal.inference.model_runner.cpu_kernels", lambda: None)
-    elif cpu_kernels() is None:
-        pytest.skip("fused CPU kernels unavailable here")
-    return request.param
 
 
 def _count_layer_calls(layers) -> Counter:

@@ -19,17 +19,9 @@ from tests.dist_harness import RankPool
 
 pytest.importorskip("transformers")
 
-STEPS, MICRO, SEQ, LR, WORLD, VOCAB = 3, 2, 12, 1e-2, 2, 67
-
-
-def _hf(tied: bool):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=tied, attn_implementation="eager")
-    return LlamaForCausalLM(cfg)
+# the same HF model, data and hyper-parameters as the stage-3 HF test
+from tests.train.test_stage3_hf import LR, MICRO, STEPS, WORLD, _data  # noqa: E402
+from tests.train.test_stage3_hf import _model as _hf  # noqa: E402
 
 
 def _zeal(tied: bool):
@@ -41,11 +33,6 @@ def _zeal(tied: bool):
     model.load_state_dict(hf.state_dict(), strict=True)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     return model
-
-
-def _data():
-    g = torch.Generator().manual_seed(5)
-    return [[torch.randint(0, VOCAB, (MICRO, SEQ), generator=g) for _ in range(WORLD)] for _ in range(STEPS)]
 
 
 def _reference(tied: bool) -> list[float]:
