@@ -64,13 +64,17 @@ def test_serve_flags_come_from_the_inference_section(capsys):
              "--max-waiting", "--no-prefix-caching", "--threads", "--log-level", "--no-transparent-hugepages"]
     for flag in flags:
         assert flag in out, flag
-    assert len([p for p, _ in _leaves(InferenceConfig)]) == len(flags) + 1 + 4  # + model, limits (3), malloc
+    limit_flags = ["--max-body-bytes", "--max-n", "--max-prompts", "--body-read-timeout-s", "--header-read-timeout-s",
+                   "--keep-alive-timeout-s", "--max-connections"]
+    for flag in limit_flags:
+        assert flag in out, flag
+    assert len([p for p, _ in _leaves(InferenceConfig)]) == len(flags) + len(limit_flags) + 1 + 1  # + model, malloc
     assert "(default: 512)" in out and "(default: 8000)" in out
     cfg = _serve_args(["m", "--kv-cache-mb", "64", "--no-prefix-caching", "--threads", "3", "--port", "9",
-                       "--dtype", "bf16", "--max-waiting", "5", "--max-n", "2"])
+                       "--dtype", "bf16", "--max-waiting", "5", "--max-n", "2", "--body-read-timeout-s", "2.5"])
     assert cfg.model == "m" and cfg.dtype == "bf16" and cfg.server.port == 9 and cfg.server.max_waiting == 5
     assert cfg.engine == EngineConfig(kv_cache_bytes=64 << 20, enable_prefix_caching=False)
-    assert cfg.process.num_threads == 3 and cfg.server.limits == ServerLimits(max_n=2)
+    assert cfg.process.num_threads == 3 and cfg.server.limits == ServerLimits(max_n=2, body_read_timeout_s=2.5)
 
 
 def test_bad_serve_values_name_the_key():

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -99,3 +103,31 @@ def mixed_prompts(seed: int, count: int, lo: int, hi: int, prefix: list[int] | N
         n = int(torch.randint(lo, hi + 1, (1,), generator=g))
         out.append((prefix or []) + torch.randint(2, VOCAB, (n,), generator=g).tolist())
     return out
+
+
+@contextlib.contextmanager
+def _serve(app, **uvicorn_kwargs):
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kw = {"log_level": "warning"} | uvicorn_kwargs
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **kw))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        th.join(10)
+
+
+@pytest.fixture(scope="session")
+def serve_app():
+    """``with serve_app(app, **uvicorn_kwargs) as base_url``: uvicorn on 127.0.0.1 in a thread."""
+    return _serve

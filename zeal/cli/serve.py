@@ -160,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"zeal serve: {e}", file=sys.stderr)
         return 2
+    from zeal.inference.server import uvicorn_limits
+
     print(f"zeal serve: {name} on http://{srv.host}:{srv.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, timeout_graceful_shutdown=5,
+                **uvicorn_limits(srv.limits))
     return 0
 
 

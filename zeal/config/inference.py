@@ -34,9 +34,20 @@ class EngineConfig(Section):
 
 
 class ServerLimits(Section):
-    """Bounds applied to each HTTP request before it is queued."""
+    """Bounds on connections and on each HTTP request before it is queued."""
 
     max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body, in bytes (beyond: HTTP 413).")
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a client has to send its whole request body (beyond: HTTP 408 and "
+        "the connection is closed).")
+    header_read_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a connection has to send a request's headers, from when it opens or "
+        "its previous response ends (beyond: the connection is closed).")
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, description="Seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
+    max_connections: int = Field(
+        512, ge=1, description="Most connections and requests open at once (uvicorn's limit_concurrency; "
+        "beyond: HTTP 503).")
     max_n: int = Field(16, ge=1, description="Largest 'n' (completions per prompt) a request may ask for.")
     max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request.")
 

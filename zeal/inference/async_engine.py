@@ -122,6 +122,10 @@ class AsyncEngine:
                     self.engine.add_request(rid, prompt_ids, params)
                 except (ValueError, EngineAsleepError) as e:  # the request's own failure (400 / 503)
                     error = e
+                except Exception as e:  # noqa: BLE001 - a bug: fail this request, keep the thread
+                    log.exception("adding request %s failed", rid)
+                    self.engine.abort(rid)
+                    error = RuntimeError(f"engine error: {type(e).__name__}: {e}")
             if error is not None:
                 self._deliver(rid, error)
         elif cmd[0] == "abort":
@@ -143,7 +147,8 @@ class AsyncEngine:
                 outs = self.engine.step()
                 self.steps += 1
                 self.peak_waiting = max(self.peak_waiting, self.num_waiting)  # preemption re-queues
-            except Exception as e:  # a bug must not kill the server: fail the requests in flight
+            except Exception as e:  # noqa: BLE001 - outside any one request (the engine isolates its
+                # requests' own failures): a bug must not kill the server, fail the requests in flight
                 log.exception("engine step failed")
                 for rid in list(self.engine.requests):
                     self.engine.abort(rid)

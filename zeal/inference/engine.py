@@ -3,11 +3,16 @@
 Synchronous and single-threaded; the server runs it in a background thread
 (:mod:`zeal.inference.async_engine`) and the Python API calls :meth:`LLMEngine.step`
 until its requests are done.
+
+A failure inside a step fails only the requests it belongs to: a batched forward pass
+that raises is re-run one request at a time, and sampling, forking and detokenizing
+are guarded per sequence. The other requests of the batch go on untouched.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -22,9 +27,11 @@ from zeal.inference.outputs import CompletionOutput, RequestOutput, StepStats
 from zeal.inference.sampler import sample
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.scheduler import Scheduler, SchedulerConfig
-from zeal.inference.sequence import Sequence
+from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.tokenizer import Tokenizer
+
+log = logging.getLogger("zeal.inference")
 
 
 @dataclass
@@ -35,6 +42,7 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
+    error_type: str = "invalid_request_error"
 
 
 class LLMEngine:
@@ -196,40 +204,123 @@ class LLMEngine:
             if req is not None:
                 req.error = seq.error
                 touched[req.request_id] = req
-        logits = self.runner.execute(sched).cpu()
+        logits = self._execute(sched, touched)
         to_sample: list[Sequence] = []
-        prompt_tokens = decode_tokens = 0
+        rows: list[int] = []  # the logits row of each sequence in to_sample
+        prompt_tokens = decode_tokens = num_sampled = 0
         for c in sched.chunks:
             if c.seq.is_decoding:  # (before the commit) only its last sampled token was left to feed
                 decode_tokens += c.num_tokens
             else:
                 prompt_tokens += c.num_tokens
             c.seq.num_computed += c.num_tokens
-            self.bm.commit(c.seq)
-            if c.sample:
+            req = self.requests[c.seq.request_id]
+            try:
+                if req.error is None:
+                    self.bm.commit(c.seq)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                self._fail(req, e, touched)
+            if c.sample and req.error is None:
                 to_sample.append(c.seq)
-        results = sample(logits, [(s.prompt_ids, s.output_ids) for s in to_sample],
-                         [s.params for s in to_sample], [s.generator for s in to_sample], self.runner.argmax)
+                rows.append(num_sampled)
+            num_sampled += c.sample
+        if len(rows) < num_sampled:
+            logits = logits[rows]
+        results = self._sample(logits, to_sample, touched)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
             req = self.requests[seq.request_id]
+            if res is None or req.error is not None:
+                continue  # failed earlier in this step
             touched[req.request_id] = req
-            if seq.pending_fork:
-                seq.pending_fork = False
-                for i in range(1, seq.params.n):
-                    child = self._new_seq(req, i)
-                    child.output_ids = list(seq.output_ids)
-                    self.bm.fork(seq, child)
-                    self.scheduler.add_running(child)
-                    cres = sample(logits[row : row + 1], [(child.prompt_ids, child.output_ids)], [child.params],
-                                  [child.generator])[0]
-                    self._append(child, cres, now)
-            self._append(seq, res, now)
+            try:
+                if seq.pending_fork:
+                    self._fork(req, seq, logits[row : row + 1], now)
+                self._append(seq, res, now)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                self._fail(req, e, touched)
         stats = StepStats(sched.num_tokens, decode_tokens, prompt_tokens, len(sched.chunks), len(sched.preempted),
                           time.monotonic() - t0)
         self.last_stats = stats
         self.metrics.on_step(prompt_tokens, len(to_sample), stats.num_preempted)  # tokens generated
         return [self._output(r) for r in touched.values()]
+
+    # ------------------------------------------------------------ failure isolation
+    def _fail(self, req: _Request, e: BaseException, touched: dict[str, _Request]) -> None:
+        """End ``req`` with an engine error and free its blocks; the batch goes on."""
+        log.error("request %s failed in an engine step: %s: %s", req.request_id, type(e).__name__, e,
+                  exc_info=e)
+        req.error = f"engine error: {type(e).__name__}: {e}"
+        req.error_type = "server_error"
+        for seq in req.seqs:
+            if seq.finished:
+                continue
+            if seq in self.scheduler.running or seq in self.scheduler.waiting:
+                self.scheduler.finish(seq, "error")
+            else:  # caught half-way into the scheduler (a fork)
+                self.bm.free_seq(seq)
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+        touched[req.request_id] = req
+
+    def _execute(self, sched: SchedulerOutput, touched: dict[str, _Request]) -> torch.Tensor:
+        """The pass's logits (CPU). When the batched pass raises, each request's chunks run
+        alone; requests whose own pass raises are failed and their chunks dropped from
+        ``sched`` (the rows returned follow the sampled chunks that remain)."""
+        try:
+            return self.runner.execute(sched).cpu()
+        except Exception as e:  # noqa: BLE001 - isolated below
+            batch_error = e
+        groups: dict[str, list[ScheduledChunk]] = {}
+        for c in sched.chunks:
+            groups.setdefault(c.seq.request_id, []).append(c)
+        log.warning("a forward pass over %d request(s) failed (%s: %s): running them one by one",
+                    len(groups), type(batch_error).__name__, batch_error)
+        rows: dict[int, torch.Tensor] = {}
+        kept: set[int] = set()
+        copies = sched.copies  # copy-on-write once: a later copy would overwrite a slot written since
+        for rid, chunks in groups.items():
+            try:
+                out = self.runner.execute(SchedulerOutput(chunks=chunks, copies=copies)).cpu()
+            except Exception as e:  # noqa: BLE001
+                self._fail(self.requests[rid], e, touched)
+                continue
+            copies = []
+            sampled = [c for c in chunks if c.sample]
+            rows.update({id(c): out[k] for k, c in enumerate(sampled)})
+            kept.update(id(c) for c in chunks)
+        sched.chunks = [c for c in sched.chunks if id(c) in kept]
+        sampled_rows = [rows[id(c)] for c in sched.chunks if c.sample]
+        return torch.stack(sampled_rows) if sampled_rows else torch.empty(0, self.vocab_size)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, _Request]) -> list:
+        """One :class:`SampleResult` per sequence (batched); when the batch raises, row by row,
+        with ``None`` for the rows whose request failed."""
+        hist = [(s.prompt_ids, s.output_ids) for s in seqs]
+        params, gens = [s.params for s in seqs], [s.generator for s in seqs]
+        try:
+            return sample(logits, hist, params, gens, self.runner.argmax)
+        except Exception:  # noqa: BLE001 - isolated below
+            pass
+        results = []
+        for row, seq in enumerate(seqs):
+            try:
+                results.append(sample(logits[row : row + 1], hist[row : row + 1], params[row : row + 1],
+                                      gens[row : row + 1])[0])
+            except Exception as e:  # noqa: BLE001
+                self._fail(self.requests[seq.request_id], e, touched)
+                results.append(None)
+        return results
+
+    def _fork(self, req: _Request, seq: Sequence, logits_row: torch.Tensor, now: float) -> None:
+        """``n > 1``: the siblings of ``seq`` share its prompt blocks and draw their own first token."""
+        seq.pending_fork = False
+        for i in range(1, seq.params.n):
+            child = self._new_seq(req, i)
+            child.output_ids = list(seq.output_ids)
+            self.bm.fork(seq, child)
+            self.scheduler.add_running(child)
+            cres = sample(logits_row, [(child.prompt_ids, child.output_ids)], [child.params], [child.generator])[0]
+            self._append(child, cres, now)
 
     def _append(self, seq: Sequence, res, now: float) -> None:
         seq.output_ids.append(res.token)
@@ -278,8 +369,8 @@ class LLMEngine:
                                          seq.finish_reason, list(seq.logprobs) if seq.params.logprobs is not None else None))
         finished = req.error is not None or (
             len(req.seqs) == req.params.n and all(s.finished for s in req.seqs))
-        out = RequestOutput(req.request_id, req.prompt_ids, outs, finished, req.error, req.arrival_time,
-                            req.seqs[0].first_token_time)
+        out = RequestOutput(req.request_id, req.prompt_ids, outs, finished, req.error, req.error_type,
+                            req.arrival_time, req.seqs[0].first_token_time)
         if finished:
             out.finish_time = time.monotonic()
             self.requests.pop(req.request_id, None)

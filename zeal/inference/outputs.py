@@ -28,6 +28,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     error: str | None = None
+    error_type: str = "invalid_request_error"  # of an error: the request's own fault, or "server_error"
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

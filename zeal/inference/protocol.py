@@ -1,10 +1,14 @@
-"""OpenAI request bodies (the fields zeal reads) and the OpenAI error shape."""
+"""OpenAI request bodies (the fields zeal reads) and the OpenAI error shape.
+
+Types are strict where OpenAI's are: ``"10"`` or ``true`` is not an integer, ``1``
+is not a boolean (an integer is a number, as in JSON Schema).
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeal.inference.sampling_params import SamplingParams
 
@@ -13,9 +17,10 @@ class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.close = close  # answer with "Connection: close" (the body was not read to its end)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -24,7 +29,7 @@ class APIError(Exception):
 class _Sampling(BaseModel):
     """Sampling fields shared by both endpoints (OpenAI names plus common extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -33,7 +38,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # OpenAI: a 64-bit signed integer
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # extensions (vLLM-style)
@@ -54,21 +59,45 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
+    """``POST /v1/completions``."""
+
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One part of a message's content (only text parts are served)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A chat message. As in OpenAI's API, ``content`` is required except on an assistant
+    message that carries ``tool_calls`` (or the older ``function_call``), where it may be
+    null: that message is rendered with empty content and its tool calls passed to the
+    chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None
+    function_call: dict | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.function_call)):
+            raise ValueError("content is required (it may be null only on an assistant message with tool_calls)")
+        return self
+
+    def template_dict(self) -> dict:
+        """The message as the chat template sees it."""
+        d = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        return d
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -77,11 +106,15 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """``stream_options`` of a chat request."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False

@@ -64,6 +64,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     variate per vocabulary entry on CPU (~0.75 ms for 49k entries); this draws one.
     """
     cdf = probs.double().cumsum(0)
+    if not bool(torch.isfinite(cdf[-1])) or float(cdf[-1]) <= 0:  # NaN/inf logits: no distribution to invert
+        return int(torch.nan_to_num(probs, nan=-1.0).argmax())
     u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)
     # the first entry whose CDF exceeds u * total: never a zero-probability token
     i = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True))

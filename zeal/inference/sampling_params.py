@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily: dividing logits by a much smaller one overflows
+# fp32 to inf, and inf - inf turns every probability into NaN (as vLLM's _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; choice i of n seeds with seed + i
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
 
 @dataclass
 class SamplingParams:
     """Per-request generation settings (OpenAI names where they exist).
 
-    ``temperature == 0`` is greedy. Penalties follow OpenAI (presence/frequency,
-    over generated tokens) and Hugging Face (repetition, over prompt and output).
-    ``seed`` makes sampling reproducible per request (choice ``i`` of ``n`` uses
-    ``seed + i``). ``logprobs=k`` returns the chosen token's log-probability and
-    the ``k`` most likely alternatives at each step.
+    ``temperature == 0`` is greedy, and so is any temperature below ``MIN_TEMPERATURE``.
+    Penalties follow OpenAI (presence/frequency, over generated tokens) and Hugging Face
+    (repetition, over prompt and output). ``seed`` makes sampling reproducible per
+    request (choice ``i`` of ``n`` uses ``seed + i``). ``logprobs=k`` returns the chosen
+    token's log-probability and the ``k`` most likely alternatives at each step.
     """
 
     n: int = 1
@@ -48,6 +54,9 @@ class SamplingParams:
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - (self.n - 1),
+             f"seed + n - 1 must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (choice i uses seed + i), got "
+             f"seed={self.seed}, n={self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
         ]
@@ -57,7 +66,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

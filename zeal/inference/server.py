@@ -2,9 +2,10 @@
 
 Every request is validated before it reaches the engine; anything wrong is
 answered with an OpenAI-style ``{"error": {...}}`` and a 4xx status (400 bad
-input, 401 bad key, 404 unknown route or model, 413 body too large, 429 queue
-full). Streaming uses server-sent events; a client that goes away aborts its
-request, which frees its KV blocks.
+input, 401 bad key, 404 unknown route or model, 408 body too slow, 413 body too
+large, 429 queue full; 503 only when the engine is down or failed the request).
+Streaming uses server-sent events; a client that goes away, streaming or not,
+aborts its request, which frees its KV blocks.
 
 Each endpoint is a module-level function taking the :class:`AppState` and the
 request; :func:`build_app` only wires them to routes.
@@ -16,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -32,8 +34,11 @@ from zeal.inference.engine import LLMEngine
 from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.server_guard import Guard, error_response, parse_json_object, read_body, uvicorn_limits
 
-__all__ = ["AppState", "ServerLimits", "build_app"]
+__all__ = ["AppState", "ServerLimits", "build_app", "uvicorn_limits"]
+
+log = logging.getLogger("zeal.serve")
 
 Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, output) as the engine makes progress
 
@@ -64,12 +69,33 @@ def build_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
     state = AppState(aengine, model_name, api_key, limits or ServerLimits())
     app = FastAPI(title="zeal", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=functools.partial(_lifespan, state))
-    app.middleware("http")(functools.partial(guard, state))
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(Exception, _internal_error)
     for path, method, handler in ROUTES:
         app.add_api_route(path, _bind(state, handler), methods=[method])
+    app.openapi = functools.partial(openapi_schema, app)
     return app
+
+
+def openapi_schema(app: FastAPI) -> dict:
+    """The app's OpenAPI schema with the request bodies the handlers parse themselves
+    (not served: for clients and for the schema-driven tests)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODIES.items():
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+            ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+            schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                            "content": {"application/json": {"schema": ref}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _bind(state: AppState, handler: Callable[[AppState, Request], Awaitable[object]]):
@@ -90,28 +116,17 @@ async def _lifespan(state: AppState, _app: FastAPI):
 
 
 # ------------------------------------------------------------ errors and guards
-def _err(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
-
-
 async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return _err(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+    return error_response(APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
 
 
 async def _api_error(_request: Request, exc: APIError) -> JSONResponse:
-    return _err(exc)
+    return error_response(exc)
 
 
-async def guard(state: AppState, request: Request, call_next):
-    """Every route but /health needs the API key (when one is set); bodies are bounded."""
-    if state.api_key and request.url.path != "/health":
-        if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-            return _err(APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key"))
-    length = request.headers.get("content-length")
-    max_body = state.limits.max_body_bytes
-    if length is not None and (not length.isdigit() or int(length) > max_body):
-        return _err(APIError(413, f"request body larger than {max_body} bytes"))
-    return await call_next(request)
+async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
+    # a bug: still an OpenAI error body (Starlette logs the traceback)
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}", "server_error"))
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -125,6 +140,13 @@ def engine_error(e: BaseException) -> APIError:
     return APIError(503, str(e), "server_error")
 
 
+def output_error(out: RequestOutput) -> APIError:
+    """The OpenAI error for a request the engine ended with an error."""
+    if out.error_type == "server_error":
+        return APIError(503, out.error or "engine error", "server_error")
+    return APIError(400, out.error or "invalid request")
+
+
 def _validation_message(e: ValidationError) -> tuple[str, str | None]:
     first = e.errors()[0]
     loc = ".".join(str(x) for x in first["loc"])
@@ -133,19 +155,8 @@ def _validation_message(e: ValidationError) -> tuple[str, str | None]:
 
 # ------------------------------------------------------------ request checks
 async def parse_body(state: AppState, request: Request, model: type[BaseModel]) -> BaseModel:
-    """The body as ``model``, read up to the size limit; names the first bad field."""
-    limit = state.limits.max_body_bytes
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body larger than {limit} bytes")
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object")
+    """The body as ``model``, read within the size and time limits; names the first bad field."""
+    data = parse_json_object(await read_body(request, state.limits))
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -193,6 +204,8 @@ async def run_all(aengine: AsyncEngine, prompts: list[list[int]], params: Sampli
     async def pump(i: int, g) -> None:
         try:
             async for out in g:
+                if out.error:
+                    raise output_error(out)
                 await q.put((i, out))
         except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
             await q.put((i, e))
@@ -218,24 +231,33 @@ async def run_all(aengine: AsyncEngine, prompts: list[list[int]], params: Sampli
             await g.aclose()
 
 
+async def wait_disconnect(request: Request) -> None:
+    """Return when the client has gone (the body already read, ``receive`` only has that left to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def collect(agen: Outputs, request: Request) -> dict[int, RequestOutput]:
-    """Gather final outputs; abort everything if the client goes away meanwhile."""
+    """Gather final outputs; abort everything as soon as the client goes away."""
     final: dict[int, RequestOutput] = {}
 
     async def drain() -> None:
         async for i, out in agen:
-            if out.error:
-                raise APIError(400, out.error)
             if out.finished:
                 final[i] = out
 
     task = asyncio.ensure_future(drain())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # cancelling drain() closes the engine streams, which aborts their requests
+        watch.cancel()
+        if not task.done():
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "client disconnected")
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        log.info("client went away: request aborted")
+        raise APIError(499, "client disconnected")
     task.result()
     return final
 
@@ -411,7 +433,7 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     tok = state.engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer: chat is unavailable")
-    msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    msgs = [m.template_dict() for m in req.messages]
     try:
         prompt = tok.encode_chat(msgs)
     except Exception as e:  # template errors (e.g. unsupported roles) are the caller's
@@ -430,6 +452,9 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
                         for c in final.outputs],
             "usage": _usage(len(prompt), final)}
 
+
+BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
+                                      "/v1/chat/completions": ChatCompletionRequest}
 
 ROUTES: list[tuple[str, str, Callable[[AppState, Request], Awaitable[object]]]] = [
     ("/health", "GET", health),
