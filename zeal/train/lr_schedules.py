@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import torch
 
+from zeal.config.schema import check_scheduler_params
+
 
 def warmup_factor(step: int, warmup_num_steps: int, warmup_type: str) -> float:
     """Fraction of warm-up done at ``step`` (1.0 when finished): log or linear."""
@@ -76,7 +78,8 @@ class StepScheduler:
 
 
 def build_scheduler(kind: str, params: dict, optimizer: torch.optim.Optimizer) -> StepScheduler:
-    """Build a schedule from its DeepSpeed name and params; unknown params are an error."""
+    """Build a schedule from its DeepSpeed name and params; unknown params and values out
+    of range are a ValueError naming ``scheduler.params.<key>``."""
     fns = {
         "WarmupLR": lambda s, base: warmup_lr(s, **params),
         "WarmupDecayLR": lambda s, base: warmup_decay_lr(s, **params),
@@ -92,4 +95,5 @@ def build_scheduler(kind: str, params: dict, optimizer: torch.optim.Optimizer) -
                          f"(known: {', '.join(sorted(allowed))})")
     if kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in params:
         raise ValueError(f"config key 'scheduler.params.total_num_steps' is required for {kind}")
+    check_scheduler_params(kind, params)  # ranges (again: the dict may have changed after validation)
     return StepScheduler(optimizer, fns[kind])
