@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from zeal.checkpoint.export import export_hf, inspect_checkpoint
+from zeal.checkpoint.files import CheckpointError
 
 
 def _size(n: int) -> str:
@@ -15,17 +17,31 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _failed(command: str, e: CheckpointError) -> int:
+    msg = " ".join(str(e).split())
+    print(f"zeal checkpoint {command}: error: {msg}", file=sys.stderr)
+    return 1
+
+
 def export(args: argparse.Namespace) -> int:
-    """Write a Hugging Face folder from a checkpoint; prints what was written."""
-    s = export_hf(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+    """Write a Hugging Face folder from a checkpoint; prints what was written (exit 1,
+    one line on stderr, when the checkpoint is unusable)."""
+    try:
+        s = export_hf(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+    except CheckpointError as e:
+        return _failed("export", e)
     print(f"exported {s['checkpoint']} -> {s['out']}: {s['tensors']} tensors, {_size(s['bytes'])} "
           f"({s['dtype']}) in {', '.join(s['files'])} + config.json")
     return 0
 
 
 def inspect(args: argparse.Namespace) -> int:
-    """Print step, world size, stage, tensors and sizes; exit 1 when a checksum fails."""
-    info = inspect_checkpoint(args.checkpoint, tag=args.tag)
+    """Print step, world size, stage, tensors and sizes; exit 1 when a checksum fails or
+    the checkpoint is unusable (a manifest naming a path outside its folder, say)."""
+    try:
+        info = inspect_checkpoint(args.checkpoint, tag=args.tag)
+    except CheckpointError as e:
+        return _failed("inspect", e)
     print(f"checkpoint {info['path']}")
     print(f"  tag {info['tag']} (commit #{info['seq']}), step {info['global_steps']}, world size "
           f"{info['world_size']}, ZeRO stage {info['zero_stage']}")

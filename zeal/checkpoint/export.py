@@ -12,14 +12,13 @@ trained under zeal keeps its own names and ``config.json``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from zeal.checkpoint import files as cf
-from zeal.checkpoint.files import CheckpointError, TensorSpec
+from zeal.checkpoint.files import CheckpointCorruptError, CheckpointError, TensorSpec
 from zeal.checkpoint.load import open_shards, read_meta
 from zeal.checkpoint.reader import SavedShards
 from zeal.checkpoint.save import META
@@ -92,12 +91,24 @@ def _producer(shards: SavedShards, meta: dict, kind: str, src: str, transpose: b
             t = shards.whole(f"buffer/{src}")
         else:
             entry = meta["params"][src]
-            t = shards.full("param", src, entry["shape"], getattr(torch, entry["dtype"]))
+            t = shards.full("param", src, entry["shape"], cf.DTYPE_BY_NAME[entry["dtype"]])
         if transpose:
             t = t.t()
         return t.to(dtype).contiguous() if t.is_floating_point() else t.contiguous()
 
     return produce
+
+
+def _specs(plan: list, meta: dict, shards: SavedShards, tdt: torch.dtype) -> list[TensorSpec]:
+    specs = []
+    for name, kind, src, transpose in plan:
+        entry = meta["buffers"][src] if kind == "buffer" else meta["params"][src]
+        shape = tuple(entry["shape"])
+        stored = cf.DTYPE_BY_NAME[entry["dtype"]] if kind == "buffer" else torch.float32
+        st = tdt if stored.is_floating_point else stored
+        specs.append(TensorSpec(name, st, shape[::-1] if transpose else shape,
+                                _producer(shards, meta, kind, src, transpose, tdt)))
+    return specs
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, dtype: str = "fp32",
@@ -109,16 +120,12 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     folder = find_checkpoint(checkpoint, tag)
     _, meta, shards = open_verified(folder)
-    plan, config = _plan(meta)
     tdt = DTYPES[dtype]
-    specs = []
-    for name, kind, src, transpose in plan:
-        entry = meta["buffers"][src] if kind == "buffer" else meta["params"][src]
-        shape = tuple(entry["shape"])
-        stored = getattr(torch, entry["dtype"]) if kind == "buffer" else torch.float32
-        st = tdt if stored.is_floating_point else stored
-        specs.append(TensorSpec(name, st, shape[::-1] if transpose else shape,
-                                _producer(shards, meta, kind, src, transpose, tdt)))
+    try:
+        plan, config = _plan(meta)
+        specs = _specs(plan, meta, shards, tdt)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise CheckpointCorruptError(f"{folder / META}: malformed ({type(e).__name__}: {e})") from None
     shards: list[list[TensorSpec]] = [[]]
     size = 0
     for s in specs:
@@ -159,18 +166,24 @@ def inspect_checkpoint(checkpoint: str | Path, tag: str | None = None) -> dict[s
                             "global_steps": manifest["global_steps"], "files": files,
                             "verified": all(f["ok"] for f in files.values())}
     if files.get(META, {}).get("ok"):
-        meta = json.loads((folder / META).read_text())
-        params = meta["params"]
-        info.update({
-            "model_class": (meta.get("model") or {}).get("class"), "compute_dtype": meta["compute_dtype"],
-            "micro_steps": meta["micro_steps"], "global_samples": meta["global_samples"],
-            "skipped_steps": meta["skipped_steps"], "optimizer": meta["optimizer"]["class"],
-            "optimizer_state": meta["optimizer"]["state_keys"],
-            "parameters": sum(_numel(v["shape"]) for v in params.values()),
-            "tensors": {n: {"shape": v["shape"], "trainable": v["trainable"]} for n, v in params.items()},
-            "buffers": {n: v["shape"] for n, v in meta["buffers"].items()},
-        })
+        try:
+            info.update(_meta_info(read_meta(folder)))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointCorruptError(f"{folder / META}: malformed ({type(e).__name__}: {e})") from None
     return info
+
+
+def _meta_info(meta: dict) -> dict[str, Any]:
+    params = meta["params"]
+    return {
+        "model_class": (meta.get("model") or {}).get("class"), "compute_dtype": meta["compute_dtype"],
+        "micro_steps": meta["micro_steps"], "global_samples": meta["global_samples"],
+        "skipped_steps": meta["skipped_steps"], "optimizer": meta["optimizer"]["class"],
+        "optimizer_state": meta["optimizer"]["state_keys"],
+        "parameters": sum(_numel(v["shape"]) for v in params.values()),
+        "tensors": {n: {"shape": v["shape"], "trainable": v.get("trainable")} for n, v in params.items()},
+        "buffers": {n: v["shape"] for n, v in meta["buffers"].items()},
+    }
 
 
 def _numel(shape: list[int]) -> int:

@@ -31,6 +31,28 @@ def rng_state() -> dict:
     return out
 
 
+def rng_problem(s: Any) -> str | None:
+    """What is malformed in a saved RNG state (None when :func:`set_rng_state` will take
+    it); checked on private generators, so nothing global changes."""
+    try:
+        py = s["python"]
+        if not (isinstance(py, list) and len(py) == 3 and isinstance(py[1], list)):
+            return "python state is not [version, [ints], gauss]"
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+        if len(base64.b64decode(s["torch"], validate=True)) != torch.get_rng_state().numel():
+            return "torch state has the wrong size"
+        if "numpy" in s:
+            import numpy as np
+
+            n = s["numpy"]
+            np.random.RandomState().set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+        if "cuda" in s:
+            base64.b64decode(s["cuda"], validate=True)
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as e:  # binascii.Error is a ValueError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def set_rng_state(s: dict) -> None:
     """Restore what :func:`rng_state` returned."""
     random.setstate((s["python"][0], tuple(s["python"][1]), s["python"][2]))

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from zeal.checkpoint import files as cf
-from zeal.checkpoint.extra_state import join_client, set_rng_state
+from zeal.checkpoint.extra_state import join_client, rng_problem, set_rng_state
 from zeal.checkpoint.files import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from zeal.checkpoint.reader import SavedShards
 from zeal.checkpoint.save import META, rank_file
@@ -58,23 +60,58 @@ def _verify(folder: Path, rank: int, world: int) -> dict:
 
 
 def read_meta(folder: Path) -> dict:
-    """meta.json, with the keys every reader needs present."""
+    """meta.json, with the keys every reader needs present and of the right types."""
+    path = folder / META
     try:
-        meta = json.loads((folder / META).read_bytes())
-        for key in ("files", "params", "buffers", "optimizer", "global_steps"):
-            meta[key]
-        return meta
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointCorruptError(f"{folder / META}: unreadable ({type(e).__name__}: {e})") from None
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    bad = _meta_problem(meta)
+    if bad:
+        raise CheckpointCorruptError(f"{path}: {bad}")
+    return meta
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """What is malformed in meta.json (None when nothing is)."""
+    if not isinstance(meta, dict):
+        return "not a JSON object"
+    for key in ("global_steps", "micro_steps", "global_samples", "skipped_steps"):
+        if type(meta.get(key)) is not int or meta[key] < 0:
+            return f"{key!r} is not a non-negative integer ({meta.get(key)!r:.60})"
+    for key in ("params", "buffers"):
+        entries = meta.get(key)
+        if not isinstance(entries, dict) or not all(_tensor_entry(v) for v in entries.values()):
+            return f"{key!r} is not a map of tensor entries (shape, dtype)"
+    opt = meta.get("optimizer")
+    if not isinstance(opt, dict) or not isinstance(opt.get("param_groups"), list) \
+            or not all(isinstance(g, dict) for g in opt["param_groups"]):
+        return "'optimizer.param_groups' is not a list of objects"
+    for key in ("lr_scheduler", "loss_scaler"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            return f"{key!r} is neither null nor an object"
+    if not isinstance(meta.get("files"), list) or not isinstance(meta.get("state_dict_keys"), dict):
+        return "'files' or 'state_dict_keys' malformed"
+    return None
+
+
+def _tensor_entry(v: Any) -> bool:
+    return (isinstance(v, dict) and v.get("dtype") in cf.DTYPE_BY_NAME and isinstance(v.get("shape"), list)
+            and all(type(d) is int and d >= 0 for d in v["shape"]))
 
 
 def open_shards(folder: Path, manifest: dict, meta: dict, transient: bool = False) -> SavedShards:
-    """The index of the saved boxes of a verified tag folder."""
+    """The index of the saved boxes of a verified tag folder. The rank files it reads are
+    exactly those of the manifest's world size (each listed, and so verified)."""
+    expected = [rank_file(r) for r in range(manifest["world_size"])]
+    if meta["files"] != expected or any(f not in manifest["files"] for f in expected):
+        raise CheckpointCorruptError(f"{folder / META}: lists the files {meta['files']!r:.120}, expected "
+                                     f"{expected!r:.120} as listed in {cf.MANIFEST}")
     shapes = {n: v["shape"] for n, v in meta["params"].items()}
-    return SavedShards(folder, meta["files"], shapes, manifest["version"], transient=transient)
+    return SavedShards(folder, expected, shapes, manifest["version"], transient=transient)
 
 
-def _check_model(meta: dict, module: torch.nn.Module) -> None:
+def _check_model(meta: dict, module: torch.nn.Module, path: Path) -> None:
     want = {n: list(q.shape) for n, q in module.named_parameters()}
     have = {n: v["shape"] for n, v in meta["params"].items()}
     if want != have:
@@ -82,13 +119,9 @@ def _check_model(meta: dict, module: torch.nn.Module) -> None:
         extra = sorted(set(have) - set(want))
         diff = sorted(n for n in set(want) & set(have) if want[n] != have[n])
         raise CheckpointMismatchError(
-            "checkpoint does not match the model: "
+            f"{path}: checkpoint does not match the model: "
             + "; ".join(s for s in [f"missing {miss[:5]}" if miss else "", f"unexpected {extra[:5]}" if extra else "",
                                     ", ".join(f"{n}: saved {have[n]} vs model {want[n]}" for n in diff[:5])] if s))
-
-
-def _unscalar(v: list) -> Any:
-    return torch.tensor(v[0], dtype=getattr(torch, v[1])) if v[1] else v[0]
 
 
 def _reader(shards: SavedShards, with_optim: bool):
@@ -104,7 +137,7 @@ def _reader(shards: SavedShards, with_optim: bool):
                 if kind.startswith("optim."):
                     moments[kind.removeprefix("optim.")] = t = torch.empty(box_shape(box), dtype=torch.float32)
                     shards.read(kind, info.name, box, t)
-            scalars = {k: _unscalar(v) for k, v in shards.scalars.get(info.name, {}).items()}
+            scalars = shards.scalar_values(info.name)
         return ParamShard(info, box, master, moments, scalars)
 
     return read
@@ -120,11 +153,11 @@ def _open(engine: Any, root: Path, tag: str | None) -> tuple[str, dict, SavedSha
         try:
             manifest = _verify(root / t, rank, world)
             meta = read_meta(root / t)
-            _check_model(meta, engine.module)
+            _check_model(meta, engine.module, root / t / META)
             shards = open_shards(root / t, manifest, meta)
         except CheckpointError as e:
             err = e
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, OverflowError) as e:
             err = CheckpointCorruptError(f"{root / t}: unreadable ({type(e).__name__}: {e})")
         err = _agree(comm, err)
         if err is None:
@@ -142,14 +175,15 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_stat
     :class:`CheckpointCorruptError`, :class:`CheckpointMismatchError`) naming the file and
     the reason; with ``config.checkpoint.fallback_to_previous`` an unusable newest tag
     falls back to the previous committed one (only when no tag was named, and never
-    for a checkpoint of another model)."""
+    for a checkpoint of another model). Everything but the parameter boxes is read and
+    checked before the engine changes."""
     root = Path(load_dir)
     tag, meta, shards = _open(engine, root, tag)
     folder = root / tag
     with_optim = load_optimizer_states and not load_module_only
-    buffers, err = {}, None
-    try:  # buffers are replicated: every rank reads them (before anything is written)
-        buffers = {n: shards.whole(f"buffer/{n}") for n, _ in engine.module.named_buffers() if n in meta["buffers"]}
+    prep, err = None, None
+    try:
+        prep = _prepare(engine, meta, shards, folder, with_optim, load_module_only)
     except CheckpointError as e:
         err = e
     err = _agree(dp_comm(engine), err)
@@ -163,27 +197,82 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_stat
         raise CheckpointCorruptError(f"{folder}: rank {e.rank}: {e}") from None
     with torch.no_grad():
         for n, b in engine.module.named_buffers():
-            if n in buffers:
-                b.copy_(buffers[n])
+            if n in prep.buffers:
+                b.copy_(prep.buffers[n])
     if load_module_only:
         return {}
-    if with_optim:
-        _load_param_groups(engine.optimizer, meta, folder)
+    for g, new in zip(engine.optimizer.param_groups, prep.groups or ()):
+        g.update(new)
     if load_lr_scheduler_states and meta["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        try:
+            engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CheckpointCorruptError(f"{folder / META}: 'lr_scheduler' unusable ({type(e).__name__}: {e})") \
+                from None
     engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
     engine.global_samples = meta["global_samples"]
+    if prep.rng is not None:
+        set_rng_state(prep.rng)
+    return prep.client
+
+
+@dataclass
+class _Prepared:
+    """What a load reads besides the parameter boxes, checked before anything is written."""
+
+    buffers: dict[str, torch.Tensor]
+    groups: list[dict] | None
+    rng: dict | None
+    client: Any
+
+
+def _prepare(engine: Any, meta: dict, shards: SavedShards, folder: Path, with_optim: bool,
+             module_only: bool) -> _Prepared:
+    buffers = {}  # replicated: every rank reads them
+    for n, b in engine.module.named_buffers():
+        if n in meta["buffers"]:
+            buffers[n] = shards.whole(f"buffer/{n}", tuple(b.shape))
+    if module_only:
+        return _Prepared(buffers, None, None, {})
+    groups = _param_groups(engine.optimizer, meta, folder) if with_optim else None
     rng = shards.rng(engine.rank)
-    if rng is not None:
-        set_rng_state(rng)
-    return join_client(meta["client_state"], shards.whole)
+    bad = None if rng is None else rng_problem(rng)
+    if bad:
+        raise CheckpointCorruptError(f"{shards.path(engine.rank)}: saved RNG state malformed ({bad})")
+    return _Prepared(buffers, groups, rng, join_client(meta["client_state"], shards.whole))
 
 
-def _load_param_groups(opt: Any, meta: dict, folder: Path) -> None:
+def _param_groups(opt: Any, meta: dict, folder: Path) -> list[dict]:
+    """The saved hyper-parameters of every param group, each value checked against the
+    type the engine's optimizer holds for that key."""
     saved = meta["optimizer"]["param_groups"]
     if len(saved) != len(opt.param_groups):
         raise CheckpointError(f"{folder / META}: {len(saved)} optimizer param groups saved, "
                               f"{len(opt.param_groups)} in the engine")
-    for g, s in zip(opt.param_groups, saved):
+    out = []
+    for i, (g, s) in enumerate(zip(opt.param_groups, saved)):
+        new = {}
         for k, v in s.items():
-            g[k] = tuple(v) if isinstance(g.get(k), tuple) else v
+            cur = g.get(k)
+            if isinstance(cur, tuple):
+                ok = isinstance(v, list) and len(v) == len(cur) and all(map(_finite, v))
+                v = tuple(v) if ok else v
+            elif isinstance(cur, bool):
+                ok = isinstance(v, bool)
+            elif _finite(cur) or isinstance(cur, torch.Tensor):
+                ok = _finite(v)
+            else:
+                ok = v is None or isinstance(v, (bool, int, float, str))
+            if not ok or k == "params":
+                raise CheckpointCorruptError(f"{folder / META}: optimizer param group {i}: {k!r} = {v!r:.40} "
+                                             f"does not fit the optimizer's {cur!r:.40}")
+            new[k] = v
+        out.append(new)
+    return out
+
+
+def _finite(x: Any) -> bool:
+    try:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    except OverflowError:  # an int beyond float range
+        return False

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from zeal.checkpoint.files import CheckpointCorruptError
+from zeal.checkpoint.files import DTYPE_BY_NAME, CheckpointCorruptError
 from zeal.zero.slices import Box, box_numel, box_shape, flat_range_boxes, full_box, index, intersect
 
 
@@ -69,6 +69,8 @@ class SavedShards:
             keys = list(r.keys())
         except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
             raise CheckpointCorruptError(f"{path}: not a readable safetensors shard ({e})") from None
+        if not isinstance(md, dict) or not _scalars_ok(md.get("scalars", {})):
+            raise CheckpointCorruptError(f"{path}: index of saved pieces malformed (scalars)")
         if md.get("rank") != i or md.get("world_size") != len(self.files):
             raise CheckpointCorruptError(f"{path}: holds the shard of rank {md.get('rank')} of "
                                          f"{md.get('world_size')}, expected rank {i} of {len(self.files)}")
@@ -96,7 +98,7 @@ class SavedShards:
                     k = int(rest.rpartition("/")[2])
                     box = tuple((int(a), int(b)) for a, b in md["boxes"][name][k])
                     self.boxes.setdefault(name, []).append(SavedBox(i, rest, box, None))
-        except (KeyError, ValueError, TypeError, IndexError) as e:
+        except (KeyError, ValueError, TypeError, IndexError, OverflowError) as e:
             raise CheckpointCorruptError(f"{path}: index of saved pieces inconsistent ({type(e).__name__}: {e})") \
                 from None
 
@@ -140,16 +142,40 @@ class SavedShards:
             raise CheckpointCorruptError(f"{path}: {key} is smaller than its index says")
         return part
 
-    def whole(self, key: str) -> torch.Tensor:
-        """A tensor stored whole (buffers, client state)."""
-        i = self.whole_keys.get(key)
+    def whole(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A tensor stored whole (buffers, client state); with ``shape``, checked to have it."""
+        i = self.whole_keys.get(key) if isinstance(key, str) else None
         if i is None:
-            raise CheckpointCorruptError(f"{self.folder}: {key} not found in any shard")
-        return self._reader(i).get_tensor(key)
+            raise CheckpointCorruptError(f"{self.folder}: {key!r:.80} not found in any shard")
+        try:
+            t = self._reader(i).get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - short data: a corrupt file
+            raise CheckpointCorruptError(f"{self.path(i)}: cannot read {key} ({type(e).__name__}: {e})") from None
+        if shape is not None and tuple(t.shape) != shape:
+            raise CheckpointCorruptError(f"{self.path(i)}: {key} has shape {tuple(t.shape)}, expected {shape}")
+        return t
+
+    def path(self, i: int) -> Path:
+        """The file of rank ``i``."""
+        return self.folder / self.files[i]
 
     def rng(self, rank: int) -> dict | None:
         """The RNG state saved by ``rank`` (None when the saving job had fewer ranks)."""
-        return next((md["rng"] for md in self.meta if md.get("rank") == rank), None)
+        return next((md.get("rng") for md in self.meta if md.get("rank") == rank), None)
+
+    def scalar_values(self, name: str) -> dict[str, Any]:
+        """The scalar optimizer state of parameter ``name`` (a 0-d tensor keeps its dtype)."""
+        return {k: torch.tensor(v, dtype=DTYPE_BY_NAME[dt]) if dt else v
+                for k, (v, dt) in self.scalars.get(name, {}).items()}
 
     def _reader(self, i: int) -> Any:
         return self.readers[i] or safe_open(str(self.folder / self.files[i]), framework="pt")
+
+
+def _scalars_ok(sc: Any) -> bool:
+    """``{name: {key: [number, dtype name or None]}}``"""
+    def ok(v: Any) -> bool:
+        return (isinstance(v, list) and len(v) == 2 and isinstance(v[0], (int, float))
+                and -2**63 < v[0] < 2**63 and (v[1] is None or v[1] in DTYPE_BY_NAME))  # NaN fails too
+
+    return isinstance(sc, dict) and all(isinstance(d, dict) and all(map(ok, d.values())) for d in sc.values())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from zeal.dist.agree import first_error, gather_strings
 from zeal.zero.sharded_state import ShardedState, dp_comm
 
 META = "meta.json"
+log = logging.getLogger("zeal")
 
 
 def rank_file(rank: int) -> str:
@@ -156,7 +158,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     if err:
         if rank == 0:
             cf.remove_tree(tmp)
-        raise CheckpointError(f"saving checkpoint {tag!r} failed: {err}")
+        raise CheckpointError(f"saving checkpoint {tag!r} into {root / tag} failed: {err}")
     return str(root / tag)
 
 
@@ -184,9 +186,19 @@ def _write(engine: Any, st: ShardedState, root: Path, tmp: Path, tag: str, clien
             written[META] = cf.write_json(tmp / META, _meta(engine, st, tag, client))
             cf.commit(root, tag, written, {"world_size": st.world_size, "zero_stage": engine.zero_stage,
                                            "global_steps": engine.global_steps})
-            keep = engine.config.checkpoint.keep_last
-            if keep:
-                cf.prune(root, keep, protect=[tag])
         except (OSError, CheckpointError) as e:
             err = f"rank 0: {type(e).__name__}: {e}"
+        if err is None:
+            _prune(root, tag, engine.config.checkpoint.keep_last)
     return first_error(comm, err)
+
+
+def _prune(root: Path, tag: str, keep: int | None) -> None:
+    """Retention after a commit: a failure only warns (the new checkpoint is committed,
+    so the save must not raise)."""
+    if not keep:
+        return
+    try:
+        cf.prune(root, keep, protect=[tag])
+    except OSError as e:
+        log.warning("checkpoint %s committed; removing older checkpoints failed: %s", root / tag, e)

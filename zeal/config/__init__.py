@@ -31,7 +31,11 @@ log = logging.getLogger("zeal")
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key path and the rule."""
+    """A configuration that cannot run; the message names the key path and the rule, on
+    one line (whitespace runs, newlines included, become one space), as the CLI prints it."""
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(" ".join(str(message).split()))
 
 
 def load_config(source: Config | dict[str, Any] | str | os.PathLike | None, auto: AutoValues | None = None) -> Config:
@@ -91,6 +95,10 @@ def format_validation_error(e: ValidationError) -> str:
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "<root>"
         msg = err["msg"]
+        own = str(err.get("ctx", {}).get("error", "")) if err["type"] == "value_error" else ""
+        if own.startswith("config key '"):  # zeal's own validators name the key themselves
+            lines.append(own)
+            continue
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         got = err.get("input")

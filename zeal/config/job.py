@@ -47,7 +47,8 @@ class DataSection(Section):
     vocab_size: int = Field(4096, ge=258, description="BPE vocabulary trained on the corpus (from-scratch jobs).")
     seq_len: int = Field(128, ge=2, description="Tokens per training block.")
     heldout_fraction: float = Field(0.05, gt=0, lt=1, description="Share of blocks kept for held-out loss.")
-    seed: int = Field(1234, description="Seed of the train / held-out split and of the batch order.")
+    seed: int = Field(1234, ge=0, lt=2**32,
+                      description="Seed of the train / held-out split and of the batch order (0 <= seed < 2**32).")
 
 
 class JobSection(Section):

@@ -8,6 +8,7 @@ unknown keys, so a typo fails at start-up with the key path.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -19,26 +20,111 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+SEED_LIMIT = 2**32  # seeds are scaled (seed · 1_000_003 + epoch) before torch's 64-bit manual_seed
+
+# Hyper-parameters zeal hands to torch, checked here so that an error names the key:
+# key -> (lowest, lowest allowed?, highest, highest allowed?) over finite numbers.
+_OPTIMIZER_NUMBERS = {
+    "lr": (0.0, True, None, False), "eps": (0.0, True, None, False), "weight_decay": (0.0, True, None, False),
+    "momentum": (0.0, True, None, False), "dampening": (0.0, True, 1.0, True), "alpha": (0.0, True, None, False),
+    "lr_decay": (0.0, True, None, False), "initial_accumulator_value": (0.0, True, None, False),
+    "rho": (0.0, True, 1.0, True),
+}
+_OPTIMIZER_FLAGS = {"amsgrad", "nesterov", "maximize", "capturable", "differentiable", "foreach", "fused",
+                    "decoupled_weight_decay"}
+_SCHEDULER_NUMBERS = {
+    "warmup_min_lr": (0.0, True, None, False), "warmup_max_lr": (0.0, True, None, False),
+    "warmup_min_ratio": (0.0, True, 1.0, True), "cos_min_ratio": (0.0, True, 1.0, True),
+}
+_SCHEDULER_INTS = {"warmup_num_steps": 0, "total_num_steps": 1}
+
+
+def _is_number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _check_number(key: str, v: Any, rule: tuple) -> None:
+    lo, lo_in, hi, hi_in = rule
+    ok = _is_number(v) and (v >= lo if lo_in else v > lo) and (hi is None or (v <= hi if hi_in else v < hi))
+    if not ok:
+        want = f"{'>=' if lo_in else '>'} {lo:g}" + ("" if hi is None else f" and {'<=' if hi_in else '<'} {hi:g}")
+        raise ValueError(f"config key '{key}': must be a finite number {want} (got {v!r:.60})")
+
+
+def check_optimizer_params(params: dict[str, Any], allow_auto: bool = False) -> None:
+    """Raise ValueError naming ``optimizer.params.<key>`` for a value torch would refuse
+    (or take silently wrong): rates and decays finite and >= 0, betas two numbers in [0, 1)."""
+    for k, v in params.items():
+        key = f"optimizer.params.{k}"
+        if allow_auto and v == "auto":
+            continue
+        if k in _OPTIMIZER_NUMBERS:
+            _check_number(key, v, _OPTIMIZER_NUMBERS[k])
+        elif k == "betas":
+            if not isinstance(v, (list, tuple)) or len(v) != 2:
+                raise ValueError(f"config key '{key}': must be two numbers in [0, 1) (got {v!r:.60})")
+            for i, b in enumerate(v):
+                _check_number(f"{key}.{i}", b, (0.0, True, 1.0, False))
+        elif k in _OPTIMIZER_FLAGS and not (isinstance(v, bool) or (v is None and k in ("foreach", "fused"))):
+            raise ValueError(f"config key '{key}': must be true or false (got {v!r:.60})")
+
+
+def check_scheduler_params(kind: str, params: dict[str, Any], allow_auto: bool = False) -> None:
+    """Raise ValueError naming ``scheduler.params.<key>`` for an out-of-range value: step
+    counts integers (warm-up >= 0, total >= 1), rates finite and >= 0, ratios in [0, 1]."""
+    for k, v in params.items():
+        key = f"scheduler.params.{k}"
+        if allow_auto and v == "auto":
+            continue
+        whole = isinstance(v, int) or (isinstance(v, float) and v.is_integer())  # JSON may write 1e3
+        if k in _SCHEDULER_INTS and (isinstance(v, bool) or not whole or v < _SCHEDULER_INTS[k]):
+            raise ValueError(f"config key '{key}': must be an integer >= {_SCHEDULER_INTS[k]} (got {v!r:.60})")
+        if k in _SCHEDULER_NUMBERS:
+            _check_number(key, v, _SCHEDULER_NUMBERS[k])
+        if k == "warmup_type" and v not in ("log", "linear"):
+            raise ValueError(f"config key '{key}': must be 'log' or 'linear' (got {v!r:.60})")
+
+
 class OptimizerConfig(Section):
     type: str = Field("AdamW", description="Adam, AdamW, SGD, or any torch.optim class by name.")
-    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...: "
+        "finite, rates and decays >= 0, betas in [0, 1)).")
+
+    @field_validator("params")
+    @classmethod
+    def _params_in_range(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_optimizer_params(v, allow_auto=True)
+        return v
 
 
 class SchedulerConfig(Section):
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"] = Field(
         ..., description="Learning-rate schedule, stepped once per optimizer step."
     )
-    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the schedule.")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the schedule (step counts integers >= 0, "
+        "total_num_steps >= 1, rates >= 0, ratios in [0, 1], warmup_type log or linear).")
+
+    @model_validator(mode="after")
+    def _params_in_range(self) -> SchedulerConfig:
+        check_scheduler_params(self.type, self.params, allow_auto=True)
+        return self
 
 
 class FP16Config(Section):
     enabled: bool = Field(False, description="fp16 compute with fp32 master weights and loss scaling.")
-    loss_scale: float = Field(0.0, ge=0, description="0 = dynamic loss scaling; > 0 = this static scale.")
+    loss_scale: float = Field(0.0, ge=0, allow_inf_nan=False, description="0 = dynamic loss scaling; > 0 = this static scale.")
     initial_scale_power: int = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**power.")
     loss_scale_window: int = Field(1000, ge=1, description="Steps without overflow before the scale doubles.")
     hysteresis: int = Field(2, ge=1, description="Overflows tolerated before the scale halves.")
     consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after each good step.")
-    min_loss_scale: float = Field(1.0, gt=0, description="The scale never drops below this.")
+    min_loss_scale: float = Field(1.0, gt=0, allow_inf_nan=False, description="The scale never drops below this.")
 
 
 class BF16Config(Section):
@@ -50,7 +136,7 @@ class OffloadOptimizerConfig(Section):
     nvme_path: str | None = Field(None, description="Folder for swap files when device is nvme.")
     pin_memory: bool = Field(False, description="Use pinned host buffers (CUDA only).")
     buffer_count: int = Field(4, ge=2, description="Swap buffers in the pool.")
-    ratio: float = Field(1.0, gt=0, le=1, description="Fraction of the optimizer step done on CPU.")
+    ratio: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="Fraction of the optimizer step done on CPU.")
     fast_init: bool = Field(False, description="Accepted for compatibility; no effect.")
 
 
@@ -166,7 +252,7 @@ class Config(Section):
     gradient_accumulation_steps: int | Auto | None = Field(None, description="Micro-batches per optimizer step.")
     optimizer: OptimizerConfig | None = Field(None, description="Optimizer built by zeal when none is passed.")
     scheduler: SchedulerConfig | None = Field(None, description="LR schedule built by zeal when none is passed.")
-    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
+    gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False, description="Clip the global gradient norm to this (0 = off).")
     fp16: FP16Config = Field(default_factory=FP16Config, description="fp16 mixed precision with loss scaling.")
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage, buckets, offload, ZeRO++.")
@@ -176,7 +262,8 @@ class Config(Section):
         None, description="Recompute activations in backward (None = as the model itself says).")
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, reduce, step and gather.")
-    seed: int = Field(1234, description="Seed for data order and meta-device materialisation.")
+    seed: int = Field(1234, ge=0, lt=SEED_LIMIT,
+                      description="Seed for data order and meta-device materialisation (0 <= seed < 2**32).")
     dist_backend: Literal["gloo", "nccl"] | None = Field(None, description="None = nccl on CUDA, gloo on CPU.")
     local_world_size: int | None = Field(None, ge=1, description="Ranks per node (default: torchrun's LOCAL_WORLD_SIZE).")
 

@@ -120,7 +120,10 @@ def initialize(
 def _mesh(cfg: Config) -> Mesh:
     """Join the job (torchrun's environment) and build every group once. ZeRO++'s node
     groups are built only when a ZeRO++ option is on."""
-    ctx = init_distributed(cfg.dist_backend, cfg.local_world_size)
+    try:
+        ctx = init_distributed(cfg.dist_backend, cfg.local_world_size)
+    except ValueError as e:  # a local_world_size that does not divide the world
+        raise ConfigError(f"config key 'local_world_size': {e}") from None
     if ctx.device.type == "cpu" and ctx.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.local_world_size))
     zc = cfg.zero_optimization

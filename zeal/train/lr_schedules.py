@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zeal.config.schema import check_scheduler_params
+
 
 def warmup_factor(step: int, warmup_num_steps: int, warmup_type: str) -> float:
     """Fraction of warm-up done at ``step`` (1.0 when finished): log or linear."""
@@ -154,7 +156,8 @@ class StepScheduler:
 
 
 def build_scheduler(kind: str, params: dict, optimizer: torch.optim.Optimizer) -> StepScheduler:
-    """Build a schedule from its DeepSpeed name and params; unknown params are an error."""
+    """Build a schedule from its DeepSpeed name and params; unknown params and values out
+    of range are a ValueError naming ``scheduler.params.<key>``."""
     import dataclasses
     import inspect
 
@@ -170,6 +173,7 @@ def build_scheduler(kind: str, params: dict, optimizer: torch.optim.Optimizer) -
                          f"(known: {', '.join(sorted(allowed))})")
     if kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in params:
         raise ValueError(f"config key 'scheduler.params.total_num_steps' is required for {kind}")
+    check_scheduler_params(kind, params)  # ranges (again: the dict may have changed after validation)
     if kind == "OneCycle":
         for key in ("cycle_min_lr", "cycle_max_lr"):
             if key not in params:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from zeal.config import Config, ConfigError
+from zeal.config.schema import check_optimizer_params
 from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.apply import ZeroParts, rank_folder
@@ -36,6 +37,7 @@ def apply_offload(cfg: Config, zero: ZeroParts, mesh: Mesh, optimizer: Any,
                               "from the config's optimizer section; do not pass an optimizer")
         spec = cfg.optimizer
         try:
+            check_optimizer_params(dict(spec.params) if spec else {})
             return SwappedZeroOptimizer(
                 zero.units, zero.reducer, mesh.dp, zero.stage, spec.type if spec else "AdamW",
                 dict(spec.params) if spec else {"lr": 1e-3}, cfg.gradient_clipping, scaler, zero.home,
@@ -61,6 +63,10 @@ def inner_optimizer(cfg: Config, optimizer: Any, units: list[FlatUnit]) -> torch
         return optimizer(dummy)
     spec = cfg.optimizer
     name, params = (spec.type, dict(spec.params)) if spec else ("AdamW", {"lr": 1e-3})
+    try:
+        check_optimizer_params(params)  # again here: a Config's dict can be changed after validation
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     lookup = {k.lower(): getattr(torch.optim, k) for k in dir(torch.optim)
               if isinstance(getattr(torch.optim, k), type) and issubclass(getattr(torch.optim, k), torch.optim.Optimizer)}
     cls = lookup.get(name.lower())
@@ -76,5 +82,5 @@ def inner_optimizer(cfg: Config, optimizer: Any, units: list[FlatUnit]) -> torch
     try:
         n_groups = 1 + max((u.group for u in units), default=0)
         return cls([{"params": [torch.zeros(1, requires_grad=True)]} for _ in range(n_groups)], **params)
-    except TypeError as e:
-        raise ConfigError(f"config key 'optimizer.params': {e}") from None
+    except (TypeError, ValueError) as e:  # an unknown keyword, or a combination torch refuses
+        raise ConfigError(f"config key 'optimizer.params': {name}: {e}") from None
