@@ -57,6 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, help="seed of data order and initialisation")
     p.add_argument("--wall-clock-breakdown", action="store_true", help="time forward/backward/reduce/step/gather")
+    p.add_argument("--report-to", metavar="NAMES",
+                   help="trackers beside metrics.csv: tensorboard, wandb (offline), all or none (comma-separated)")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block in backward (the engine's activation_checkpointing section)")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
@@ -91,7 +93,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     named = {
         ("job", "nproc"): args.nproc, ("job", "steps"): args.steps, ("job", "run_dir"): args.run_dir,
         ("job", "hf_model"): args.hf_model, ("data", "path"): args.data, ("job", "precision"): args.precision,
-        ("job", "lr"): args.lr, ("data", "seed"): args.seed,
+        ("job", "lr"): args.lr, ("data", "seed"): args.seed, ("job", "report_to"): args.report_to,
         ("engine", "zero_optimization", "stage"): args.zero_stage,
         ("engine", "train_micro_batch_size_per_gpu"): args.micro_batch,
         ("engine", "gradient_accumulation_steps"): args.grad_accum,

@@ -219,7 +219,8 @@ def _start(spec: JobSpec) -> _Run:
     cfg = load_config(spec.engine)
     _, micro, accum = cfg.resolve_batch(engine.mesh.dp_size)
     run = _Run(spec, engine, cfg, tokenizer, blocks, micro, accum,
-               MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume),
+               MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume, report_to=j.report_to,
+                           run_config=spec.model_dump()),
                rss_before_model=rss_before_model)
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
