@@ -27,11 +27,19 @@ def export(args: argparse.Namespace) -> int:
     """Write a Hugging Face folder from a checkpoint; prints what was written (exit 1,
     one line on stderr, when the checkpoint is unusable)."""
     try:
-        s = export_hf(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+        s = export_hf(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype,
+                      tokenizer=getattr(args, "tokenizer", None))
     except CheckpointError as e:
         return _failed("export", e)
     print(f"exported {s['checkpoint']} -> {s['out']}: {s['tensors']} tensors, {_size(s['bytes'])} "
           f"({s['dtype']}) in {', '.join(s['files'])} + config.json")
+    if s["tokenizer"]:
+        names = ", ".join(f"{k} {v!r}" for k, v in s["special_tokens"].items()) or "no special tokens"
+        print(f"  tokenizer from {s['tokenizer']}: {s['vocab']} tokens, {names}"
+              + (", chat template" if s["chat_template"] else ""))
+    else:
+        print("  no tokenizer found next to the checkpoint: the folder holds weights only "
+              "(pass --tokenizer PATH to add one)")
     return 0
 
 

@@ -7,7 +7,10 @@ zeal's GPT (``zeal.models.gpt.GPT``) becomes a ``GPT2LMHeadModel`` folder (HF GP
 stores the attention/MLP projections as ``Conv1D``, the transpose of ``nn.Linear``;
 the tied LM head is left to ``tie_word_embeddings``); zeal's Llama already uses
 Hugging Face's names and becomes a ``LlamaForCausalLM`` folder; a Hugging Face model
-trained under zeal keeps its own names and ``config.json``.
+trained under zeal keeps its own names and ``config.json``. The tokenizer goes with
+the weights (:mod:`zeal.checkpoint.export_tokenizer`): ``tokenizer=PATH``, else the
+run folder's ``tokenizer.json``; the special-token ids of ``config.json`` are those
+of that vocabulary.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 
 from zeal.checkpoint import files as cf
+from zeal.checkpoint.export_tokenizer import clear_invalid_token_ids, find_tokenizer, write_tokenizer
 from zeal.checkpoint.files import CheckpointCorruptError, CheckpointError, TensorSpec
 from zeal.checkpoint.load import open_shards, read_meta
 from zeal.checkpoint.reader import SavedShards
@@ -57,6 +61,7 @@ def _hf_gpt2_config(cfg: dict) -> dict:
         "resid_pdrop": cfg.get("dropout", 0.0), "embd_pdrop": cfg.get("dropout", 0.0),
         "attn_pdrop": cfg.get("dropout", 0.0), "initializer_range": 0.02, "scale_attn_weights": True,
         "tie_word_embeddings": True, "use_cache": True,
+        "bos_token_id": None, "eos_token_id": None,  # set from the tokenizer (GPT-2's 50256 is not in ours)
     }
 
 
@@ -112,13 +117,16 @@ def _specs(plan: list, meta: dict, shards: SavedShards, tdt: torch.dtype) -> lis
 
 
 def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, dtype: str = "fp32",
-              max_shard_bytes: int = 5 * 1024**3) -> dict[str, Any]:
+              max_shard_bytes: int = 5 * 1024**3, tokenizer: str | Path | None = None) -> dict[str, Any]:
     """Write ``out/config.json`` and ``out/model.safetensors`` (or shards plus
     ``model.safetensors.index.json`` above ``max_shard_bytes``) in ``dtype``
-    (fp32/bf16/fp16); returns a summary. The checkpoint is verified first."""
+    (fp32/bf16/fp16), and the tokenizer files when a tokenizer is found (``tokenizer``:
+    a ``tokenizer.json`` or a folder holding one; default: the run folder's); returns
+    a summary. The checkpoint is verified first."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     folder = find_checkpoint(checkpoint, tag)
+    source = find_tokenizer(checkpoint, folder, tokenizer)
     _, meta, shards = open_verified(folder)
     tdt = DTYPES[dtype]
     try:
@@ -137,6 +145,11 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
     config["torch_dtype"] = str(tdt).removeprefix("torch.")
+    if source is not None:
+        max_len = config.get("n_positions") or config.get("max_position_embeddings")
+        tok_summary = write_tokenizer(dest, source, config, max_len)
+    else:
+        tok_summary = {"tokenizer": None, "dropped_token_ids": clear_invalid_token_ids(config)}
     cf.write_json(dest / "config.json", config)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -147,7 +160,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
             "metadata": {"total_size": sum(s.nbytes for s in specs)},
             "weight_map": {s.name: f for f, g in zip(files, shards) for s in g}})
     return {"checkpoint": str(folder), "out": str(dest), "files": files, "tensors": len(specs),
-            "bytes": sum(s.nbytes for s in specs), "dtype": dtype}
+            "bytes": sum(s.nbytes for s in specs), "dtype": dtype, **tok_summary}
 
 
 def inspect_checkpoint(checkpoint: str | Path, tag: str | None = None) -> dict[str, Any]:

@@ -4,7 +4,7 @@ The work is done by the checkpoint package (``zeal/checkpoint/``); this file onl
 parses arguments and finds the implementation, so that the command reports clearly
 when that package is absent from an installation. Looked up in order:
 ``zeal.checkpoint.cli.export(args)`` / ``.inspect(args)``, then
-``export_hf(checkpoint, out, tag=, dtype=)`` / ``inspect_checkpoint(checkpoint, tag=)``
+``export_hf(checkpoint, out, tag=, dtype=, tokenizer=)`` / ``inspect_checkpoint(checkpoint, tag=)``
 in ``zeal.checkpoint``.
 """
 
@@ -28,12 +28,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                               allow_abbrev=False)
     sub = p.add_subparsers(dest="checkpoint_command", metavar="SUBCOMMAND", required=True)
-    e = sub.add_parser("export", help="write a Hugging Face folder (config.json + model.safetensors)",
+    e = sub.add_parser("export", help="write a Hugging Face folder (config.json, model.safetensors, tokenizer)",
                        allow_abbrev=False)
     e.add_argument("checkpoint", help="checkpoint folder (run folder, checkpoints folder or tag)")
     e.add_argument("out", help="output folder")
     e.add_argument("--tag", default=None, help="checkpoint tag (default: the latest)")
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="stored dtype")
+    e.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json or a folder holding one (default: the run folder's tokenizer.json)")
     i = sub.add_parser("inspect", help="print step, world size, stage and tensors; verify checksums",
                        allow_abbrev=False)
     i.add_argument("checkpoint", help="checkpoint folder")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if takes_args:
         return int(fn(args) or 0)
     if args.checkpoint_command == "export":
-        result = fn(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+        result = fn(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, tokenizer=args.tokenizer)
     else:
         result = fn(args.checkpoint, tag=args.tag)
     if isinstance(result, dict):

@@ -59,8 +59,10 @@ def _this_node_rank(hosts: list[Host]) -> int:
 
 def torchrun_argv(nproc: int, program: list[str], *, nnodes: int = 1, node_rank: int | None = None,
                   master_addr: str | None = None, master_port: int = 29500, rdzv_id: str = "zeal",
-                  rdzv_backend: str = "c10d", module: bool = False, max_restarts: int = 0) -> list[str]:
-    """The ``python -m torch.distributed.run`` command line for a launch.
+                  rdzv_backend: str = "c10d", module: bool = False, max_restarts: int = 0,
+                  runner: str = "torch.distributed.run") -> list[str]:
+    """The ``python -m torch.distributed.run`` command line for a launch (``runner``:
+    another module taking torchrun's arguments, such as ``zeal.cli.quiet_torchrun``).
 
     Multi-node runs use the c10d rendezvous by default (ranks are assigned in
     arrival order; ``node_rank`` is only checked); ``rdzv_backend="static"`` uses
@@ -71,7 +73,7 @@ def torchrun_argv(nproc: int, program: list[str], *, nnodes: int = 1, node_rank:
         raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
     if not program:
         raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    argv = [sys.executable, "-m", runner, f"--nproc-per-node={nproc}"]
     if nnodes == 1 and master_addr is None:
         argv.append("--standalone")
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--seed", type=int, help="seed of data order and initialisation")
     p.add_argument("--wall-clock-breakdown", action="store_true", help="time forward/backward/reduce/step/gather")
+    p.add_argument("--report-to", metavar="NAMES",
+                   help="trackers beside metrics.csv: tensorboard, wandb (offline), all or none (comma-separated)")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block in backward (the engine's activation_checkpointing section)")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
@@ -90,7 +93,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     named = {
         ("job", "nproc"): args.nproc, ("job", "steps"): args.steps, ("job", "run_dir"): args.run_dir,
         ("job", "hf_model"): args.hf_model, ("data", "path"): args.data, ("job", "precision"): args.precision,
-        ("job", "lr"): args.lr, ("data", "seed"): args.seed,
+        ("job", "lr"): args.lr, ("data", "seed"): args.seed, ("job", "report_to"): args.report_to,
         ("engine", "zero_optimization", "stage"): args.zero_stage,
         ("engine", "train_micro_batch_size_per_gpu"): args.micro_batch,
         ("engine", "gradient_accumulation_steps"): args.grad_accum,
@@ -206,10 +209,33 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     apply_process_settings(spec.process)
     from zeal.train.job import prepare_data, run_job
 
+    if spec.job.resume and _already_done(spec):
+        return 0
     if spec.job.nproc > 1 and not in_distributed_env():
         return _relaunch(spec, prepare_data, write_spec)
+    if args.spec and in_distributed_env():  # a rank started by _relaunch: record the error, print nothing
+        from zeal.cli.rank_errors import exit_status, record_rank_error
+
+        try:
+            run_job(spec)
+        except Exception as e:  # noqa: BLE001 - any failure is this rank's to record
+            record_rank_error(Path(spec.job.run_dir) / "logs", int(os.environ["RANK"]), e)
+            raise SystemExit(exit_status(e)) from None
+        return 0
     run_job(spec)
     return 0
+
+
+def _already_done(spec: Any) -> bool:
+    """On resume: True (and says so) when the latest checkpoint is at or past ``job.steps``."""
+    from zeal.train.job import checkpoint_step
+
+    step = checkpoint_step(Path(spec.job.run_dir) / "checkpoints")
+    if step is None or step < spec.job.steps:
+        return False
+    print(f"zeal train: {spec.job.run_dir} is already at step {step} (--steps {spec.job.steps}); nothing to do "
+          f"(give a larger --steps to continue)", flush=True)
+    return True
 
 
 def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
@@ -217,13 +243,27 @@ def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
 
     if spec.job.resume and not (Path(spec.job.run_dir) / "checkpoints").is_dir():
         raise UsageError(f"--resume: no checkpoint in {Path(spec.job.run_dir) / 'checkpoints'}")
+    from zeal.cli.rank_errors import clear_rank_errors, first_rank_error
+
     prepare_data(spec)  # build the tokenizer and token cache once, before the ranks start
     path = Path(spec.job.run_dir) / "launch.json"
     write_spec(spec, path)
-    argv = torchrun_argv(spec.job.nproc, ["zeal.cli.main", "train", "--spec", str(path)], module=True)
+    logs = Path(spec.job.run_dir) / "logs"
+    clear_rank_errors(logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    argv = torchrun_argv(spec.job.nproc, ["zeal.cli.main", "train", "--spec", str(path)], module=True,
+                         runner="zeal.cli.quiet_torchrun")
     env = child_env(spec.job.nproc)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's deprecation notices, once per rank
+    env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
     rc = subprocess.call(argv, env=env)
     if rc != 0:
+        first = first_rank_error(logs)
+        if first is None:
+            print(f"zeal train: error: the ranks failed (exit status {rc}); see {logs / 'torchrun.log'}",
+                  file=sys.stderr)
+        else:
+            print(f"zeal train: error: rank {first['rank']}: {first['error']} (full log: {first['log']})",
+                  file=sys.stderr)
         raise SystemExit(rc)
     return 0

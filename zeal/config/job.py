@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from zeal.config.ds_compat import AutoValues
 from zeal.config.process import ProcessConfig
@@ -72,6 +72,21 @@ class JobSection(Section):
     sample_tokens: int = Field(64, ge=0, description="Tokens generated for the final sample (0 = none).")
     temperature: float = Field(0.8, ge=0, description="Sampling temperature of the final sample.")
     top_k: int = Field(40, ge=0, description="Top-k of the final sample (0 = off).")
+    report_to: list[Literal["tensorboard", "wandb"]] | None = Field(
+        None, description="Trackers beside metrics.csv/jsonl: 'tensorboard' (run_dir/tb), 'wandb' (offline, "
+        "run_dir/wandb; $WANDB_MODE wins); a missing package is skipped with a message. None = TensorBoard when "
+        "installed; 'none' or [] = no tracker; 'all' = both; a comma-separated string is a list.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v: Any) -> Any:
+        """Hugging Face's spellings: "all", "none", one name, or "a,b"."""
+        if isinstance(v, str):
+            v = v.strip()
+            if v == "all":
+                return ["tensorboard", "wandb"]
+            return [] if v in ("none", "") else [x.strip() for x in v.split(",") if x.strip()]
+        return v
 
 
 class JobSpec(Section):

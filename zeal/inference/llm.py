@@ -46,12 +46,23 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
     return model.to(device), Tokenizer.from_folder(p), eos_ids
 
 
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """A tokenizer from a folder (``tokenizer.json`` and, if present, ``tokenizer_config.json``)
+    or a ``tokenizer.json`` file; raises FileNotFoundError when there is none."""
+    p = Path(path).expanduser()
+    tok = Tokenizer.from_file(p) if p.is_file() else Tokenizer.from_folder(p) if p.is_dir() else None
+    if tok is None:
+        raise FileNotFoundError(f"tokenizer {p}: neither a tokenizer.json file nor a folder holding one")
+    return tok
+
+
 class LLM:
     """Offline generation with the serving engine.
 
     ``model`` is a folder, a ``.gguf`` file, None (the default model), or a model
     instance (``zeal.models.GPT`` or ``zeal.models.llama.Llama``) whose weights are
-    used in place. Engine knobs (``block_size``, ``num_blocks``,
+    used in place. ``tokenizer`` (a :class:`Tokenizer`, a folder or a ``tokenizer.json``
+    file) replaces the model folder's own; its end-of-sequence ids stop generation too. Engine knobs (``block_size``, ``num_blocks``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``enable_prefix_caching``, ``kv_cache_bytes``) are keyword arguments.
     """
@@ -61,13 +72,11 @@ class LLM:
                  eos_token_ids: list[int] | None = None, **engine_kwargs) -> None:
         if isinstance(model, nn.Module):
             module, tok, eos = model.eval(), None, list(eos_token_ids or [])
-            if isinstance(tokenizer, Tokenizer):
-                tok = tokenizer
-            elif tokenizer is not None:
-                tok = Tokenizer.from_folder(tokenizer)
         else:
             module, tok, eos = load_model_and_tokenizer(model, dtype, device)
             eos += list(eos_token_ids or [])
+        if tokenizer is not None:  # the caller's tokenizer replaces the model folder's
+            tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
         self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos)
         self.tokenizer = tok
 

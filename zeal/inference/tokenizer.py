@@ -50,6 +50,13 @@ class Tokenizer:
                 eos.extend(x for x in (e if isinstance(e, list) else [e]) if x is not None and x not in eos)
         return cls(HFTokenizer.from_file(str(p / "tokenizer.json")), cfg, eos)
 
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        """A bare ``tokenizer.json`` (no config: no chat template, no special-token names)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return cls(HFTokenizer.from_file(str(path)))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False).ids
         bos = self.tok.token_to_id(self.bos_token) if self.bos_token else None

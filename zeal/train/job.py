@@ -193,6 +193,10 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
     run = _start(spec)
     for note in auto_notes:
         run.say(note)
+    if run.start_step >= spec.job.steps and spec.job.resume:
+        run.say(f"already at step {run.start_step} (job.steps {spec.job.steps}); nothing to do", flush=True)
+        run.sink.close()
+        return {"steps": run.start_step, "start_step": run.start_step, "nothing_to_do": True}
     eval_before = run.held_out(run.start_step)
     run.say(f"held-out loss at step {run.start_step}: {eval_before:.4f}", flush=True)
     final_step, train_loss, train_time = _train(run)
@@ -215,7 +219,8 @@ def _start(spec: JobSpec) -> _Run:
     cfg = load_config(spec.engine)
     _, micro, accum = cfg.resolve_batch(engine.mesh.dp_size)
     run = _Run(spec, engine, cfg, tokenizer, blocks, micro, accum,
-               MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume),
+               MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume, report_to=j.report_to,
+                           run_config=spec.model_dump()),
                rss_before_model=rss_before_model)
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -322,6 +327,27 @@ def _num_params(module: torch.nn.Module) -> int:
     if hasattr(cfg, "num_parameters"):  # a zeal GPT: its shards are not full-size tensors
         return int(cfg.num_parameters())
     return sum(p.numel() for p in module.parameters())  # an HF model (``num_parameters`` is a method there)
+
+
+def checkpoint_step(ckpt_dir: str | Path) -> int | None:
+    """The job step of the checkpoint ``resume`` would load from ``ckpt_dir`` (None: none readable)."""
+    from zeal.checkpoint import files as cf
+    from zeal.checkpoint.load import read_meta
+
+    root = Path(ckpt_dir)
+    try:
+        tags = cf.resolve_tags(root, None)
+    except cf.CheckpointError:
+        return None
+    for tag in tags:
+        try:
+            meta = read_meta(root / tag)
+        except cf.CheckpointError:
+            continue
+        client = meta.get("client_state") or {}
+        step = client.get("step") if isinstance(client, dict) else None
+        return int(step) if isinstance(step, int) else int(meta["global_steps"])
+    return None
 
 
 def _has_checkpoint(ckpt_dir: Path) -> bool:

@@ -1,5 +1,5 @@
 """What a training job shows and records: a console progress bar, a metrics sink
-(JSONL + CSV, TensorBoard when installed) and a loss-curve PNG (matplotlib when
+(JSONL + CSV, and the trackers of ``job.report_to``: :mod:`zeal.train.reporters`) and a loss-curve PNG (matplotlib when
 installed). Only rank 0 creates these with ``enabled=True``; other ranks get
 inert objects, so the loop calls them unconditionally.
 """
@@ -89,10 +89,12 @@ class ProgressBar:
 
 class MetricsSink:
     """Appends each record to ``metrics.jsonl`` and ``metrics.csv`` in the run folder,
-    and to TensorBoard (``<run>/tb``) when the ``tensorboard`` package is installed.
+    and to the trackers ``report_to`` names (None: TensorBoard in ``<run>/tb`` when the
+    ``tensorboard`` package is installed; see :func:`~zeal.train.reporters.open_reporters`).
     A record is a dict with at least ``step``, ``kind`` ("train"/"eval") and ``loss``."""
 
-    def __init__(self, run_dir: str | Path, *, enabled: bool = True, append: bool = False) -> None:
+    def __init__(self, run_dir: str | Path, *, enabled: bool = True, append: bool = False,
+                 report_to: list[str] | None = None, run_config: dict[str, Any] | None = None) -> None:
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
         if not enabled:
@@ -107,13 +109,9 @@ class MetricsSink:
         self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         if new_csv:
             self._csv.writeheader()
-        self._tb = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        from zeal.train.reporters import open_reporters
 
-            self._tb = SummaryWriter(str(run / "tb"))
-        except Exception:  # noqa: BLE001 - tensorboard is optional
-            self._tb = None
+        self.reporters = open_reporters(run, report_to, run_config)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -124,18 +122,16 @@ class MetricsSink:
         self._jsonl.flush()
         self._csv.writerow(record)
         self._csv_file.flush()
-        if self._tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                if isinstance(record.get(key), (int, float)):
-                    self._tb.add_scalar(f"{record['kind']}/{key}", record[key], record["step"])
+        for reporter in self.reporters:
+            reporter.log(record)
 
     def close(self) -> None:
         if not self.enabled:
             return
         self._jsonl.close()
         self._csv_file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for reporter in self.reporters:
+            reporter.close()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
