@@ -45,16 +45,19 @@ def test_first_rank_error_is_the_earliest(tmp_path):
 @pytest.mark.timeout(300)
 def test_rank_error_is_printed_once_with_its_log(env, tmp_path):
     run = tmp_path / "run"
-    # passes the launcher's validation, fails in every rank when the optimizer is built
-    r = zeal(env, "train", "--nproc", "2", "--steps", "2", "--run-dir", str(run), *TINY,
-             "--optimizer.params.betas", "[0.9, 1.5]")
+    # passes the launcher's validation (the config is well formed), fails in every rank when
+    # the engine looks for the swap folder
+    missing = tmp_path / "no-such-folder"
+    r = zeal(env, "train", "--nproc", "2", "--steps", "2", "--run-dir", str(run), *TINY, "--zero-stage", "2",
+             "--zero_optimization.offload_optimizer.device", "nvme",
+             "--zero_optimization.offload_optimizer.nvme_path", str(missing))
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("zeal train: error: rank ") and "Invalid beta parameter" in lines[0], lines[0]
+    assert lines[0].startswith("zeal train: error: rank ") and "does not exist" in lines[0], lines[0]
     assert "Traceback" not in r.stdout + r.stderr and "ChildFailedError" not in r.stdout + r.stderr
     log = Path(lines[0].rsplit("(full log: ", 1)[1].rstrip(")"))
-    assert log.parent == run / "logs" and "Invalid beta parameter" in log.read_text()
+    assert log.parent == run / "logs" and "does not exist" in log.read_text()
     assert "Traceback" in log.read_text()
 
 
