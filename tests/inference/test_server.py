@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -18,34 +16,17 @@ from zeal.inference.server import ServerLimits, build_app
 KEY = "sk-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _engine(path) -> LLMEngine:
     model, tok, eos = load_model_and_tokenizer(path)
     return LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=64), eos)
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    import uvicorn
-
+def server(llama_dir, serve_app):
     aengine = AsyncEngine(_engine(llama_dir), max_waiting=64)
     app = build_app(aengine, "tiny", api_key=KEY, limits=ServerLimits(max_body_bytes=4096))
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", aengine
-    srv.should_exit = True
-    th.join(10)
+    with serve_app(app) as base:
+        yield base, aengine
 
 
 def _client(base):
