@@ -42,7 +42,7 @@ def test_deepspeed_script_runs_unchanged(tmp_path, stage, world):
     assert len(r["lr"]) == 1 and r["scheduler"] == "StepScheduler"
     for out in results:  # rank 0's change reached every rank
         assert torch.allclose(torch.as_tensor(out["bias"]), torch.full((4,), 0.5))
-    state = torch.load(tmp_path / "model.bin")
+    state = torch.load(tmp_path / "model.bin", weights_only=True)
     assert set(state) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"} and state["fc1.weight"].shape == (32, 16)
 
 
