@@ -65,26 +65,26 @@ def _mesh_groups(rank: int, world: int, tp: int, ep: int) -> dict:
     return out
 
 
+def _expected(groups: list[list[int]], rank: int) -> tuple[list[int], float]:
+    """The group holding ``rank`` and what an all-reduce of the rank ids over it gives."""
+    g = next(g for g in groups if rank in g)
+    return g, float(sum(g))
+
+
 @pytest.mark.timeout(120)
 def test_mesh_groups_on_4_ranks():
     # dp x tp = 2 x 2
     res = run_ranks(_mesh_groups, 4, 2, 1, timeout=90)
-    tp_groups, dp_groups = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
     for r, out in enumerate(res):
-        tp = next(g for g in tp_groups if r in g)
-        dp = next(g for g in dp_groups if r in g)
-        assert out["tp"] == (tp, float(sum(tp)))
-        assert out["dp"] == (dp, float(sum(dp)))
+        assert out["tp"] == _expected([[0, 1], [2, 3]], r)
+        assert out["dp"] == _expected([[0, 2], [1, 3]], r)
         assert out["coords"] == {"dp": r // 2, "tp": r % 2, "pp": 0, "ep": 0}
         assert out["sizes"] == {"dp": 2, "tp": 2, "pp": 1, "ep": 1}
     # ep x edp = 2 x 2 over a data-parallel group of 4 (expert parallelism splits dp)
     res = run_ranks(_mesh_groups, 4, 1, 2, timeout=90)
-    ep_groups, edp_groups = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
     for r, out in enumerate(res):
-        ep = next(g for g in ep_groups if r in g)
-        edp = next(g for g in edp_groups if r in g)
-        assert out["ep"] == (ep, float(sum(ep)))
-        assert out["edp"] == (edp, float(sum(edp)))
+        assert out["ep"] == _expected([[0, 1], [2, 3]], r)
+        assert out["edp"] == _expected([[0, 2], [1, 3]], r)
         assert out["dp"] == ([0, 1, 2, 3], 6.0)
         assert out["sizes"] == {"dp": 4, "tp": 1, "pp": 1, "ep": 2}
         assert out["coords"]["ep"] == r % 2

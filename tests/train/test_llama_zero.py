@@ -13,14 +13,13 @@ a head not tied) moves the loss by more than 1e-3.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.dist_harness import RankPool
 
 pytest.importorskip("transformers")
 
 # the same HF model, data and hyper-parameters as the stage-3 HF test
-from tests.train.test_stage3_hf import LR, MICRO, STEPS, WORLD, _data  # noqa: E402
+from tests.train.test_stage3_hf import LR, MICRO, STEPS, WORLD, _data, plain_losses  # noqa: E402
 from tests.train.test_stage3_hf import _model as _hf  # noqa: E402
 
 
@@ -36,17 +35,7 @@ def _zeal(tied: bool):
 
 
 def _reference(tied: bool) -> list[float]:
-    model = _hf(tied).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for per_rank in _data():
-        ids = torch.cat(per_rank)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return plain_losses(_hf(tied))
 
 
 def _train(rank, world, stage, tied, checkpointing):

@@ -34,10 +34,8 @@ def _data():
 PROMPT = torch.tensor([[3, 14, 15, 9, 26]])
 
 
-def _reference(tied: bool, reentrant: bool | None):
-    model = _model(tied)
-    if reentrant is not None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+def plain_losses(model) -> list[float]:
+    """One plain-PyTorch process training ``model`` on the whole batch of every step."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
@@ -48,6 +46,14 @@ def _reference(tied: bool, reentrant: bool | None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def _reference(tied: bool, reentrant: bool | None):
+    model = _model(tied)
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    losses = plain_losses(model)
     model.eval()
     with torch.no_grad():
         out = model.generate(PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0)

@@ -122,12 +122,6 @@ def _parts(engine: Any) -> _Parts:
                   engine.mesh.dp_rank, engine.mesh.dp_size)
 
 
-def _keeps_whole_master(zopt: Any) -> bool:
-    """What the stage keeps: stage 0 holds the master (and moments) of every whole unit on
-    every rank; stages 1–3 hold this rank's shard only."""
-    return not zopt.stage.partitions_optimizer
-
-
 @contextlib.contextmanager
 def _resident(parts: _Parts, writeback: bool) -> Iterator[None]:
     """State kept on disk by ZeRO-Infinity, in memory for the duration of the block."""
@@ -173,12 +167,12 @@ def _targets(parts: _Parts, owned: bool) -> Iterator[_Target]:
     infos = _infos(parts)
     zopt = parts.zopt
     master_of = {id(u): m for u, m in zip(zopt.units, zopt.masters)}
-    whole = _keeps_whole_master(zopt)
     for u in parts.units:
         m = master_of.get(id(u))
         # src holds elements [base, base + src.numel()) of the unit's padded flat buffer
         if m is not None:
-            src, base = m.data.view(-1), (0 if whole else u.start)
+            # the stage says what the master covers: the whole unit (stage 0) or this rank's shard
+            src, base = m.data.view(-1), zopt.stage.owned_start(u)
         else:
             src, base = u.shard, u.start
         lo, hi = (u.start, u.end) if owned else (base, base + src.numel())

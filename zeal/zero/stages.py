@@ -43,10 +43,6 @@ class ZeroStage:
         """Offset in ``u``'s flat buffer of the first element this rank's master holds."""
         return u.start if self.partitions_optimizer else 0
 
-    def owned_numel(self, u: FlatUnit) -> int:
-        """Elements of ``u`` this rank's master holds."""
-        return u.shard_numel if self.partitions_optimizer else u.padded
-
     def model_slice(self, u: FlatUnit, home: MemoryShards | DiskShards) -> torch.Tensor:
         """The model values this rank's master covers (call ``home.done(u)`` after, for a
         partitioned unit: a disk home lends a buffer)."""
