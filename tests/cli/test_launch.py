@@ -92,3 +92,19 @@ def test_hostfile_dry_run(tmp_path, capsys):
     assert "--nproc-per-node=3" in cmd and "--nnodes=2" in cmd and "--rdzv-endpoint=127.0.0.1:29500" in cmd
     assert cmd[-3:] == ["train.py", "--lr", "1"]
     assert main(["launch", "--hostfile", str(tmp_path / "none"), "x.py"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_failing_rank_reported_once_in_one_line(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nimport helper_mod\n"
+                      "if os.environ['RANK'] == '1':\n    raise ValueError('bad shard ' + sys.argv[1])\n")
+    (tmp_path / "helper_mod.py").write_text("")  # the script's folder is on sys.path, as under python
+    logs = tmp_path / "logs"
+    p = _zeal("launch", "--nproc", "2", "--log-dir", str(logs), str(script), "x7")
+    out, _ = p.communicate(timeout=100)
+    assert p.returncode == 2, out
+    lines = [ln for ln in out.splitlines() if "bad shard" in ln]
+    assert lines == [f"zeal launch: error: rank 1: bad shard x7 (full log: {logs / 'rank1.log'})"], out
+    assert "Traceback" not in out and "ChildFailedError" not in out, out
+    assert "ValueError: bad shard x7" in (logs / "rank1.log").read_text()

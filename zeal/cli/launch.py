@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +125,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "static"],
                    help="c10d (default; ranks by arrival) or static (ranks by --node-rank)")
     p.add_argument("-m", "--module", action="store_true", help="the program is a Python module, as python -m")
+    p.add_argument("--log-dir", default=None,
+                   help="where a failing rank writes its traceback (rankN.log) and torchrun its own log "
+                        "(default: a temporary folder, removed after a successful run)")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py (or module with -m) and its arguments")
 
@@ -141,10 +146,33 @@ def run(args: argparse.Namespace) -> int:
             node_rank = _this_node_rank(hosts)
         if nproc is None:
             nproc = hosts[node_rank].slots
-    argv = torchrun_argv(nproc or 1, args.program, nnodes=nnodes or 1, node_rank=node_rank, master_addr=master,
+    if not args.program:
+        raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
+    # Each rank runs the program under zeal.cli.rank_main, which records its error for this
+    # process to print once; torchrun's own failure report goes to a log file.
+    program = ["zeal.cli.rank_main", *(["-m"] if args.module else []), *args.program]
+    argv = torchrun_argv(nproc or 1, program, nnodes=nnodes or 1, node_rank=node_rank, master_addr=master,
                          master_port=args.master_port, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
-                         module=args.module)
+                         module=True, runner="zeal.cli.quiet_torchrun")
     if args.dry_run:
         print(" ".join(argv))
         return 0
-    return subprocess.call(argv, env=child_env(nproc or 1))
+    return _run_ranks(argv, nproc or 1, args.log_dir)
+
+
+def _run_ranks(argv: list[str], nproc: int, log_dir: str | None) -> int:
+    """Run the torchrun command; on failure print the first rank's error in one line."""
+    from zeal.cli.rank_errors import clear_rank_errors, failure_line
+
+    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="zeal-launch-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    clear_rank_errors(logs)
+    env = child_env(nproc)
+    env["ZEAL_RANK_LOG_DIR"] = str(logs)
+    env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
+    rc = subprocess.call(argv, env=env)
+    if rc != 0:
+        print(failure_line(logs, rc, "zeal launch", logs / "torchrun.log"), file=sys.stderr)
+    elif log_dir is None:
+        shutil.rmtree(logs, ignore_errors=True)
+    return rc

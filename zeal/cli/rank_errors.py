@@ -1,5 +1,5 @@
-"""Errors of ``zeal train``'s ranks: each failing rank records its own, the launcher
-reports the first one.
+"""Errors of ``zeal train``'s and ``zeal launch``'s ranks: each failing rank records its
+own, the launcher reports the first one.
 
 A rank writes ``RUN/logs/rankN.log`` (the full traceback) and ``RUN/logs/rankN.json``
 (time, one-line message, log path). After a failed launch, the ``zeal train``
@@ -39,7 +39,7 @@ def record_rank_error(log_dir: str | Path, rank: int, exc: BaseException) -> Pat
     log = log_dir / f"rank{rank}.log"
     now = time.time()
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    log.write_text(f"zeal train: rank {rank} (pid {os.getpid()}) failed at "
+    log.write_text(f"zeal: rank {rank} (pid {os.getpid()}) failed at "
                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(now))} UTC\n\n{text}")
     record = {"rank": rank, "time": now, "error": one_line(exc), "log": str(log)}
     tmp = log_dir / f".rank{rank}.json.tmp"
@@ -65,3 +65,12 @@ def first_rank_error(log_dir: str | Path) -> dict | None:
         except (OSError, ValueError):
             continue
     return min(records, key=lambda r: (r["time"], r["rank"])) if records else None
+
+
+def failure_line(log_dir: str | Path, rc: int, prog: str, torchrun_log: str | Path | None = None) -> str:
+    """The one line a launcher prints after its ranks failed with status ``rc``."""
+    first = first_rank_error(log_dir)
+    if first is None:
+        where = f"; see {torchrun_log}" if torchrun_log else ""
+        return f"{prog}: error: the ranks failed (exit status {rc}){where}"
+    return f"{prog}: error: rank {first['rank']}: {first['error']} (full log: {first['log']})"

@@ -243,7 +243,7 @@ def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
 
     if spec.job.resume and not (Path(spec.job.run_dir) / "checkpoints").is_dir():
         raise UsageError(f"--resume: no checkpoint in {Path(spec.job.run_dir) / 'checkpoints'}")
-    from zeal.cli.rank_errors import clear_rank_errors, first_rank_error
+    from zeal.cli.rank_errors import clear_rank_errors, failure_line
 
     prepare_data(spec)  # build the tokenizer and token cache once, before the ranks start
     path = Path(spec.job.run_dir) / "launch.json"
@@ -258,12 +258,6 @@ def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
     env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
     rc = subprocess.call(argv, env=env)
     if rc != 0:
-        first = first_rank_error(logs)
-        if first is None:
-            print(f"zeal train: error: the ranks failed (exit status {rc}); see {logs / 'torchrun.log'}",
-                  file=sys.stderr)
-        else:
-            print(f"zeal train: error: rank {first['rank']}: {first['error']} (full log: {first['log']})",
-                  file=sys.stderr)
+        print(failure_line(logs, rc, "zeal train", logs / "torchrun.log"), file=sys.stderr)
         raise SystemExit(rc)
     return 0
