@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -110,3 +112,27 @@ def test_checkpoint_resume_continues_the_run(tmp_path):
     after = [h["loss"] for h in resumed.state.log_history if "loss" in h and h["step"] > 3]
     assert len(after) == 3
     assert after == pytest.approx(losses(full)[3:], rel=1e-5)
+
+
+def _train_and_eval(rank: int, world: int, stage: int, out: str) -> tuple[list[float], float]:
+    """ZealTrainer on ``world`` ranks with the same global batch (8 = every sample, so the
+    order a sampler picks does not matter), then evaluate() through the engine."""
+    bs = 8 // (2 * world)
+    zt = ZealTrainer(model=tiny_llama(), args=args(Path(out), f"w{world}", per_device_train_batch_size=bs),
+                     train_dataset=TokenData(n=8), zeal_config=dict(AUTO_CONFIG, zero_optimization={"stage": stage}))
+    zt.train()
+    return losses(zt), zt.evaluate(TokenData(n=8, seq=8))["eval_loss"]
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_match_one_rank_stage3(tmp_path):
+    """Trainer under torchrun: accelerate must not wrap the model in DDP (the weights would
+    stop updating), the data is split over the ranks and evaluation gathers stage-3 shards."""
+    from tests.dist_harness import run_ranks
+
+    want, want_eval = _train_and_eval(0, 1, 3, str(tmp_path))
+    got = run_ranks(_train_and_eval, 2, 3, str(tmp_path), timeout=240)
+    assert want[-1] < want[0]
+    for got_losses, got_eval in got:
+        assert got_losses == pytest.approx(want, rel=1e-5)
+        assert got_eval == pytest.approx(want_eval, rel=1e-5)

@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import Trainer
 
 import zeal
@@ -93,6 +94,23 @@ class _EngineScheduler:
         """The schedule is restored by the engine's checkpoint."""
 
 
+class _EngineModule(nn.Module):
+    """What ``Trainer`` holds as its wrapped model (where DDP would be): the model as
+    ``.module`` (``unwrap_model`` finds it there), calls and modes through the engine."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.module = engine.module
+        object.__setattr__(self, "engine", engine)  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> _EngineModule:
+        self.engine.train(mode)
+        return super().train(mode)
+
+
 class ZealTrainer(Trainer):
     """A ``Trainer`` whose forward/backward/step run through a zeal engine.
 
@@ -139,6 +157,17 @@ class ZealTrainer(Trainer):
         if not isinstance(self.lr_scheduler, _EngineScheduler):
             self.lr_scheduler = _EngineScheduler(self)
         return self.lr_scheduler
+
+    def _wrap_model(self, model: Any, training: bool = True, dataloader: Any = None) -> Any:
+        """The engine stands where ``Trainer`` would put DDP: accelerate then never wraps the
+        model (zeal reduces gradients itself, and a DDP wrapper re-homes the parameters zeal
+        keeps in its flat buffers), and evaluation runs through the engine (under stage 3 it
+        gathers the partitioned parameters)."""
+        if self.zeal_engine is None:
+            return super()._wrap_model(model, training, dataloader)
+        if not isinstance(self.model_wrapped, _EngineModule):
+            self.model_wrapped = _EngineModule(self.zeal_engine)
+        return self.model_wrapped
 
     # -- the step ------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
