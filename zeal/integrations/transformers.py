@@ -188,6 +188,8 @@ class ZealTrainer(Trainer):
                 or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
+        # Trainer ends an epoch's last accumulation early (fewer micro-batches); follow it.
+        engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
         engine.backward(loss, scale_wrt_gas=False)
         if engine.is_gradient_accumulation_boundary():
             self._zeal_last_lr = list(engine.get_lr())

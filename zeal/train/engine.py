@@ -80,6 +80,8 @@ class TrainEngine:
         self.dataloader = parts.dataloader
         self.global_steps = 0
         self.micro_steps = 0
+        self._boundary_start = 0  # micro_steps at the last update
+        self._boundary_override: bool | None = None
         self.global_samples = 0
         self._times: dict[str, float] = defaultdict(float)
         self._timing = parts.config.wall_clock_breakdown
@@ -141,7 +143,17 @@ class TrainEngine:
         return self._p.scaler.scale if self._p.scaler else 1.0
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self._p.grad_accum == 0
+        """Whether the current micro-step ends the accumulation (then ``step`` updates)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps - self._boundary_start + 1) % self._p.grad_accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's override of the count: the current micro-step (until ``step``) ends
+        the accumulation, or does not, whatever ``gradient_accumulation_steps`` says — for
+        loops whose last accumulation of an epoch is shorter (Hugging Face's Trainer).
+        Call it before ``backward``; the loss is then the caller's to scale."""
+        self._boundary_override = bool(is_boundary)
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the (unscaled, unclipped) mean gradient at the last step."""
@@ -194,10 +206,12 @@ class TrainEngine:
     def step(self) -> None:
         """Count the micro-step; at the accumulation boundary update the model."""
         boundary = self.is_gradient_accumulation_boundary()
+        self._boundary_override = None
         self.micro_steps += 1
         self.global_samples += self._p.micro_batch * self.mesh.dp_size
         if not boundary:
             return
+        self._boundary_start = self.micro_steps
         t0 = time.perf_counter()
         p = self._p
         applied = p.zero_optimizer.step()
