@@ -12,6 +12,7 @@ sampler state to save.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +37,16 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer) -> np.ndarray:
     return np.asarray(ids, dtype=dtype)
 
 
-def load_or_encode(corpus: Corpus, tokenizer: Tokenizer, root: Path | None = None) -> np.ndarray:
-    """``encode_corpus`` through a cache keyed by the corpus and tokenizer digests."""
+def load_or_encode(corpus: Corpus, tokenizer: Tokenizer, root: Path | None = None,
+                   say: Callable[[str], None] | None = None) -> np.ndarray:
+    """``encode_corpus`` through a cache keyed by the corpus and tokenizer digests (``say``
+    is told before an encoding starts)."""
     root = Path(root) if root is not None else cache_dir()
     dtype = np.dtype(np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32).newbyteorder("<")
     key = hashlib.sha256(f"{corpus.sha256}:{tokenizer_sha256(tokenizer)}:{dtype.str}".encode()).hexdigest()[:20]
     path = root / "tokens" / f"{key}.bin"
+    if say is not None and not path.is_file():
+        say(f"encoding the corpus ({corpus.num_bytes / 1e6:.1f} MB; first run only; cached in {path.parent})")
     build_once(path, lambda tmp: encode_corpus(corpus, tokenizer).astype(dtype).tofile(tmp))
     return np.fromfile(path, dtype=dtype)
 

@@ -98,9 +98,13 @@ def tokenizer_sha256(tok: Tokenizer) -> str:
     return hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
-def load_or_train_tokenizer(corpus: Corpus, vocab_size: int = 4096, root: Path | None = None) -> Tokenizer:
-    """The cached tokenizer for ``corpus``, trained and stored on first use."""
+def load_or_train_tokenizer(corpus: Corpus, vocab_size: int = 4096, root: Path | None = None,
+                            say: Callable[[str], None] | None = None) -> Tokenizer:
+    """The cached tokenizer for ``corpus``, trained and stored on first use (``say`` is
+    told before the training starts)."""
     root = Path(root) if root is not None else cache_dir()
     path = root / "tokenizers" / f"bpe-{tokenizer_key(corpus, vocab_size)}.json"
+    if say is not None and not path.is_file():
+        say(f"training a {vocab_size}-token BPE tokenizer on the corpus (first run only; cached in {path.parent})")
     build_once(path, lambda tmp: train_tokenizer(corpus.documents, vocab_size).save(str(tmp)))
     return Tokenizer.from_file(str(path))

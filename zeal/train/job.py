@@ -49,11 +49,17 @@ def prepare_data(spec: JobSpec) -> tuple[Any, Any]:
             raise ValueError(f"job.hf_model {spec.job.hf_model!r} has no tokenizer.json")
         tokenizer = Tokenizer.from_file(str(tok_path))
     else:
-        tokenizer = load_or_train_tokenizer(corpus, d.vocab_size)
-    ids = load_or_encode(corpus, tokenizer)
+        tokenizer = load_or_train_tokenizer(corpus, d.vocab_size, say=_say)
+    ids = load_or_encode(corpus, tokenizer, say=_say)
     # at least one held-out block per rank, so every rank evaluates the same number of batches
     world = max(spec.job.nproc if not os.environ.get("WORLD_SIZE") else 1, int(os.environ.get("WORLD_SIZE", 1)))
     return tokenizer, TokenBlocks.split(ids, d.seq_len, d.heldout_fraction, d.seed, min_heldout=world)
+
+
+def _say(msg: str) -> None:
+    """Start-up progress, printed once (by the launcher, or rank 0)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"zeal train: {msg}", flush=True)
 
 
 def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module | Callable[[], torch.nn.Module]:
