@@ -128,13 +128,15 @@ def build(cfg: InferenceConfig | argparse.Namespace):
 
     from zeal.inference.async_engine import AsyncEngine
     from zeal.inference.engine import LLMEngine
-    from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
+    from zeal.inference.llm import WeightsOffload, load_model_and_tokenizer, resolve_model_path
     from zeal.inference.server import build_app
 
     if isinstance(cfg, argparse.Namespace):
         cfg = config_from_args(cfg)
     path = resolve_model_path(cfg.model)
-    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, resolve_dtype(cfg.dtype, cfg.device)), cfg.device)
+    offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir)
+    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, resolve_dtype(cfg.dtype, cfg.device)), cfg.device,
+                                               offload)
     engine = LLMEngine(model, tok, cfg.engine, eos)
     srv = cfg.server
     name = srv.served_model_name or (Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct")

@@ -76,6 +76,15 @@ class InferenceConfig(Section):
         "auto", description="Weights and compute; auto: bfloat16 where the CPU/GPU computes it natively, "
         "else float32 (float16 on a GPU without bf16).")
     device: str = Field("cpu", description="torch device of the weights and the KV cache.")
+    weights_offload: Literal["none", "cpu", "disk"] = Field(
+        "none", description="ZeRO-Inference: stream the decoder layers each pass from layer files on disk, or "
+        "from pinned host memory to an accelerator ('cpu'), under max_resident_weights_gb; none = all resident.")
+    max_resident_weights_gb: float | None = Field(
+        None, gt=0, description="Resident weight budget in GiB with weights_offload (the embeddings, norms and "
+        "head, plus as many decoder-layer slots as fit; two or more overlap reading with compute).")
+    offload_dir: str | None = Field(
+        None, description="Folder of the layer files with weights_offload (written once per model and dtype); "
+        "None = under zeal's cache.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="KV cache and batching.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="The HTTP server.")
     process: ProcessConfig = Field(

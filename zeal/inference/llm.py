@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,15 +36,39 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     return p
 
 
+@dataclass(frozen=True)
+class WeightsOffload:
+    """ZeRO-Inference: where the decoder layers live (``none``: resident; ``disk``: layer
+    files read on every pass; ``cpu``: pinned host memory copied to an accelerator), the
+    resident-weights budget in GiB, and the folder of the layer files (None: the cache)."""
+
+    kind: str = "none"
+    max_resident_gb: float | None = None
+    offload_dir: str | None = None
+
+
 def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
-                             device: str | torch.device = "cpu") -> tuple[nn.Module, Tokenizer | None, list[int]]:
+                             device: str | torch.device = "cpu", offload: WeightsOffload | None = None,
+                             ) -> tuple[nn.Module, Tokenizer | None, list[int]]:
+    """The model (its decoder layers streamed when ``offload`` says so: the streamer is
+    ``model.weight_streamer``), its tokenizer and end-of-sequence ids."""
     from zeal.models.hf import load_hf_model
 
     p = resolve_model_path(path)
-    model, cfg = load_hf_model(p, dtype)
+    if offload is not None and offload.kind != "none":
+        from zeal.inference.weight_stream import load_streamed_model
+
+        if offload.max_resident_gb is None:
+            raise ValueError(f"weights_offload {offload.kind!r} needs max_resident_weights_gb")
+        model, cfg, streamer = load_streamed_model(p, dtype, device, offload.kind,
+                                                   int(offload.max_resident_gb * (1 << 30)), offload.offload_dir)
+        model.weight_streamer = streamer
+    else:
+        model, cfg = load_hf_model(p, dtype)
+        model = model.to(device)
     eos = cfg.get("eos_token_id")
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    return model.to(device), Tokenizer.from_folder(p), eos_ids
+    return model, Tokenizer.from_folder(p), eos_ids
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -65,15 +90,23 @@ class LLM:
     file) replaces the model folder's own; its end-of-sequence ids stop generation too. Engine knobs (``block_size``, ``num_blocks``,
     ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``enable_prefix_caching``, ``kv_cache_bytes``) are keyword arguments.
+    ``weights_offload`` (``"disk"``, or ``"cpu"`` on an accelerator) with
+    ``max_resident_weights_gb`` serves a model larger than that budget by streaming its
+    decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`).
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module | None = None, tokenizer: Tokenizer | str | None = None,
                  *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 eos_token_ids: list[int] | None = None, **engine_kwargs) -> None:
+                 eos_token_ids: list[int] | None = None, weights_offload: str = "none",
+                 max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
+                 **engine_kwargs) -> None:
+        offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir)
         if isinstance(model, nn.Module):
+            if weights_offload != "none":
+                raise ValueError("weights_offload needs a model folder (its layers are streamed from files)")
             module, tok, eos = model.eval(), None, list(eos_token_ids or [])
         else:
-            module, tok, eos = load_model_and_tokenizer(model, dtype, device)
+            module, tok, eos = load_model_and_tokenizer(model, dtype, device, offload)
             eos += list(eos_token_ids or [])
         if tokenizer is not None:  # the caller's tokenizer replaces the model folder's
             tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -127,6 +160,9 @@ class LLM:
     def load_weights(self, named_tensors) -> int:
         """Copy new weights into the model in place (see ``ModelRunner.load_weights``);
         allowed while asleep (the RLHF pattern: ``sleep()``, train, ``load_weights``, ``wake_up()``)."""
+        if getattr(self.engine.runner.model, "weight_streamer", None) is not None:
+            raise ValueError("load_weights: this model's layers are streamed from files (weights_offload); "
+                             "load it without weights_offload to update weights in place")
         return self.engine.load_weights(named_tensors)
 
     def sleep(self, level: int = 1) -> None:

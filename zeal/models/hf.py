@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -63,53 +65,88 @@ def gpt2_config_from_hf(d: dict) -> GPTConfig:
 
 def gpt2_state_from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """HF GPT-2 names/layout -> zeal GPT (transpose Conv1D, drop mask buffers, add the prefix)."""
-    out = {}
-    for name, t in sd.items():
-        if name.endswith((".attn.bias", ".attn.masked_bias")):
-            continue
-        if not name.startswith(("transformer.", "lm_head.")):
-            name = "transformer." + name
-        if name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
-            t = t.t().contiguous()
-        out[name] = t
+    out = dict(kv for name, t in sd.items() for kv in _gpt2_tensor(name, t))
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
 
 
-def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict]:
-    """Build the model of a HF folder. Returns ``(model, config_dict)``; a GPT-2
-    folder gives a :class:`zeal.models.GPT`, a Llama-family folder a :class:`Llama`."""
+def _gpt2_tensor(name: str, t: torch.Tensor | None) -> list[tuple[str, torch.Tensor | None]]:
+    """One HF GPT-2 tensor as zeal GPT's (none for the mask buffers)."""
+    if name.endswith((".attn.bias", ".attn.masked_bias")):
+        return []
+    if not name.startswith(("transformer.", "lm_head.")):
+        name = "transformer." + name
+    if t is not None and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+        t = t.t().contiguous()
+    return [(name, t)]
+
+
+def _llama_tensor(name: str, t: torch.Tensor | None) -> list[tuple[str, torch.Tensor | None]]:
+    return [] if name.endswith("rotary_emb.inv_freq") else [(name, t)]
+
+
+@dataclass
+class HFSkeleton:
+    """A HF folder's model built on the meta device, its config, how a checkpoint tensor
+    becomes the model's (``convert(name, tensor)`` → ``[(model name, tensor)]``; with
+    ``tensor=None`` only the names), and the embedding a tied head takes."""
+
+    model: nn.Module
+    config: dict
+    convert: Callable[[str, torch.Tensor | None], list[tuple[str, torch.Tensor | None]]]
+    embedding: str
+    tied: bool
+
+    def finish(self, state: dict[str, torch.Tensor], streamed: frozenset[str] = frozenset()) -> nn.Module:
+        """Load ``state`` (the model's names; a missing or tied head takes the embedding),
+        rebuild the buffers, tie the head; the model in eval mode. ``streamed`` names
+        parameters left out of ``state`` on purpose (a weight streamer binds them)."""
+        if self.tied or "lm_head.weight" not in state:
+            state["lm_head.weight"] = state[self.embedding]
+        model = self.model
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        if unexpected or set(missing) - streamed:
+            raise ValueError(f"checkpoint does not match the model: missing {sorted(set(missing) - streamed)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        if isinstance(model, Llama):  # buffers are not in the checkpoint; rebuild on CPU
+            from zeal.models.llama import rope_inv_freq
+
+            model.inv_freq = rope_inv_freq(model.config)
+            if model.config.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+        elif isinstance(model, GPT):
+            model.lm_head.weight = model.transformer.wte.weight
+        return model.eval()
+
+
+def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
+    """The model of a HF folder on the meta device (GPT-2 → :class:`zeal.models.GPT`,
+    Llama-family → :class:`Llama`), without reading its weights."""
     p = Path(path)
     cfg = json.loads((p / "config.json").read_text())
-    sd = read_safetensors_folder(p)
     mt = cfg.get("model_type", "llama")
     if mt == "gpt2":
         with torch.device("meta"):
             model: nn.Module = GPT(gpt2_config_from_hf(cfg))
-        sd = gpt2_state_from_hf(sd)
-    elif mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
+        return HFSkeleton(model, cfg, _gpt2_tensor, "transformer.wte.weight", True)
+    if mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
         lcfg = LlamaConfig.from_hf(cfg)
         with torch.device("meta"):
             model = Llama(lcfg)
-        if lcfg.tie_word_embeddings or "lm_head.weight" not in sd:
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
-    else:
-        raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
+        return HFSkeleton(model, cfg, _llama_tensor, "model.embed_tokens.weight", lcfg.tie_word_embeddings)
+    raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict]:
+    """Build the model of a HF folder. Returns ``(model, config_dict)``; a GPT-2
+    folder gives a :class:`zeal.models.GPT`, a Llama-family folder a :class:`Llama`."""
+    sk = hf_skeleton(path)
     # fresh, aligned storage: safetensors hands out views at arbitrary byte offsets,
     # which BLAS kernels run markedly slower on
-    sd = {k: v.to(dtype=dtype, copy=True) for k, v in sd.items()}
-    model.load_state_dict(sd, strict=True, assign=True)
-    if isinstance(model, Llama):  # buffers are not in the checkpoint; rebuild on CPU
-        from zeal.models.llama import rope_inv_freq
-
-        model.inv_freq = rope_inv_freq(model.config)
-        if model.config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
-    elif isinstance(model, GPT):
-        model.lm_head.weight = model.transformer.wte.weight
-    return model.eval(), cfg
+    state = {name: t.to(dtype=dtype, copy=True)
+             for key, v in read_safetensors_folder(path).items() for name, t in sk.convert(key, v)}
+    return sk.finish(state), sk.config
 
 
 def save_hf_folder(model: Llama, path: str | os.PathLike) -> Path:
