@@ -81,3 +81,20 @@ def test_budget_below_one_layer_is_refused(folder, tmp_path):
         LLM(folder, weights_offload="cpu", max_resident_weights_gb=1.0)
     with pytest.raises(ValueError, match="needs max_resident_weights_gb"):
         LLM(folder, weights_offload="disk")
+
+
+def test_serve_flags(folder, tmp_path):
+    import argparse
+
+    from zeal.cli import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    budget, fixed, layer = _budget(folder, 2)
+    argv = [str(folder), "--dtype", "float32", "--weights-offload", "disk", "--offload-dir", str(tmp_path / "l")]
+    cfg = serve.config_from_args(parser.parse_args([*argv, "--max-resident-weights-gb", str(budget)]))
+    assert (cfg.weights_offload, cfg.max_resident_weights_gb) == ("disk", budget)
+    serve.build(cfg)
+    small = serve.config_from_args(parser.parse_args([*argv, "--max-resident-weights-gb", str(fixed / GB)]))
+    with pytest.raises(ValueError, match="max_resident_weights_gb .* below"):
+        serve.build(small)
