@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 STEPS, ACCUM, MICRO, SEQ, VOCAB, LR, CLIP = 5, 2, 2, 8, 64, 1e-2, 0.5
 HIDDEN, LAYERS = 32, 2
+SAVE_AT = 3  # the TP 2 x DP 2 run saves before this step; TP 1 resumes from it
 
 
 def build(kind: str) -> torch.nn.Module:
@@ -86,14 +87,17 @@ def config(stage: int, tp: int = 2) -> dict:
                                   "stage3_param_persistence_threshold": 50}}
 
 
-def train(rank: int, kind: str, stage: int, tp: int = 2) -> tuple[list, dict, object]:
+def train(rank: int, kind: str, stage: int, save_dir: str | None = None) -> tuple[list, dict, object]:
+    """5 steps at TP 2; with ``save_dir``, a checkpoint after step SAVE_AT."""
     import zeal
 
-    engine = zeal.initialize(build(kind), config(stage, tp))
+    engine = zeal.initialize(build(kind), config(stage))
     d = engine.mesh.dp_rank
     ids = batches(engine.mesh.dp_size)
     losses = []
     for s in range(STEPS):
+        if save_dir is not None and s == SAVE_AT:
+            engine.save_checkpoint(save_dir, tag="mid")
         for a in range(ACCUM):
             loss = loss_of(engine, kind, ids[s, a, d])
             engine.backward(loss)
@@ -102,16 +106,78 @@ def train(rank: int, kind: str, stage: int, tp: int = 2) -> tuple[list, dict, ob
     return losses, engine.comm_stats()["last_step"], engine
 
 
-def _ranks_main(rank: int, world: int, combos: list[tuple[str, int]]) -> dict:
-    out = {}
-    for kind, stage in combos:
-        losses, stats, engine = train(rank, kind, stage)
-        out[f"{kind}/{stage}"] = {"losses": losses, "stats": stats, "dp": engine.mesh.dp_size}
-        engine.close()
+def norm_check(engine) -> float:
+    """Only tp rank 1's shard of a split parameter has the largest gradient (3), and a
+    replicated parameter has gradient 2 on every tp rank: the global norm is sqrt(13)."""
+    from zeal.zero.optimizer import unscale_check_clip
+
+    zopt = engine._p.zero_optimizer
+    grads = [torch.zeros_like(m) for m in zopt.masters]
+    segs = [(i, lo, split) for i, unit_segs in enumerate(zopt.tp_norm.segments) for lo, _, split in unit_segs]
+    i, lo, _ = next(x for x in segs if x[2])
+    if engine.tensor_parallel.rank == 1:
+        grads[i].view(-1)[lo] = 3.0
+    j, lo2, _ = next(x for x in segs if not x[2])
+    grads[j].view(-1)[lo2] = 2.0
+    _, norm = unscale_check_clip(grads, engine.mesh.dp, zopt.stage, None, 1.0, zopt.tp_norm)
+    assert float(grads[j].view(-1)[lo2]) == pytest.approx(2.0 / 13 ** 0.5, rel=1e-5)  # clipped by that norm
+    return norm
+
+
+def refusals() -> list[str]:
+    """What a TP 2 run says for heads it cannot split and for a layer of an unknown family."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import zeal
+    from zeal.config import ConfigError
+
+    out = []
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=6, num_key_value_heads=3))
+    unknown = torch.nn.Sequential(torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB))
+    for model in (odd, unknown):
+        with pytest.raises(ConfigError) as e:
+            zeal.initialize(model, config(1))
+        out.append(str(e.value))
     return out
 
 
-def _check(results: list[dict], combos: list[tuple[str, int]]) -> None:
+def _ranks_main(rank: int, world: int, combos: list[tuple[str, int]], save_dir: str | None) -> dict:
+    out = {}
+    for kind, stage in combos:
+        losses, stats, engine = train(rank, kind, stage, save_dir if kind == "llama" else None)
+        out[f"{kind}/{stage}"] = {"losses": losses, "stats": stats, "dp": engine.mesh.dp_size}
+        if world == 2 and kind == "llama":
+            out["norm"] = norm_check(engine)
+        engine.close()
+    if world == 2:
+        out["refusals"] = refusals()
+    return out
+
+
+def _resume_tp1(rank: int, world: int, save_dir: str, export_dir: str) -> dict:
+    """Load the TP 2 x DP 2 checkpoint at TP 1 x DP 1 (a micro-batch holding both dp ranks'
+    micro-batches), train the remaining steps; export the checkpoint to one HF folder."""
+    import zeal
+    from zeal.checkpoint.export import export_hf
+
+    cfg = {**config(1, tp=1), "train_micro_batch_size_per_gpu": MICRO * 2}
+    engine = zeal.initialize(build("llama"), cfg)
+    engine.load_checkpoint(save_dir, tag="mid")
+    loaded = engine.module_state_dict()
+    ids = batches(2)
+    losses = []
+    for s in range(SAVE_AT, STEPS):
+        for a in range(ACCUM):
+            loss = loss_of(engine, "llama", torch.cat([ids[s, a, 0], ids[s, a, 1]]))
+            engine.backward(loss)
+            engine.step()
+            losses.append((s, a, loss.item()))
+    export_hf(f"{save_dir}/mid", export_dir)
+    return {"losses": losses, "loaded": loaded}
+
+
+def _check(results: list[dict], combos: list[tuple[str, int]]) -> dict:
     refs: dict = {}
     for kind, stage in combos:
         for res in results:
@@ -126,17 +192,34 @@ def _check(results: list[dict], combos: list[tuple[str, int]]) -> None:
             assert act["logical_elems"] == ACCUM * LAYERS * 4 * 2 * bsh
             assert act["bytes"] == ACCUM * LAYERS * 4 * 2 * bsh * 4 // 2  # fp32, (T-1)/T of it sent
             assert act["calls"] == ACCUM * LAYERS * 4
-
-
-TP2_COMBOS = [("llama", 1), ("gpt", 3), ("gpt2", 0)]
-TP2_DP2_COMBOS = [("llama", 3), ("gpt", 1)]
+            assert got["stats"]["by_dim"]["tp"]["bytes"] >= act["bytes"]
+    return refs
 
 
 def test_tp2_matches_single_process():
-    combos = TP2_COMBOS
-    _check(run_ranks(_ranks_main, 2, combos, timeout=110), combos)
+    combos = [("llama", 1), ("gpt", 3), ("gpt2", 0)]
+    results = run_ranks(_ranks_main, 2, combos, None, timeout=110)
+    _check(results, combos)
+    for res in results:
+        assert res["norm"] == pytest.approx(13 ** 0.5, rel=1e-6)
+        heads, unknown = res["refusals"]
+        assert "does not divide the 3 key/value heads of module 'model.layers.0.self_attn'" in heads
+        assert "cannot split module '1' (Linear)" in unknown
 
 
-def test_tp2_dp2_matches_single_process():
-    combos = TP2_DP2_COMBOS
-    _check(run_ranks(_ranks_main, 4, combos, timeout=110), combos)
+def test_tp2_dp2_matches_single_process_and_resumes_at_tp1(tmp_path):
+    combos = [("llama", 3), ("gpt", 1)]
+    save = str(tmp_path / "ckpt")
+    refs = _check(run_ranks(_ranks_main, 4, combos, save, timeout=110), combos)
+    ref = refs[("llama", 2)]
+    (res,) = run_ranks(_resume_tp1, 1, save, str(tmp_path / "hf"), timeout=60)
+    assert len(res["losses"]) == (STEPS - SAVE_AT) * ACCUM
+    for s, a, loss in res["losses"]:  # the micro-batch of both dp ranks at once: their mean loss
+        assert loss == pytest.approx((ref[s][a][0] + ref[s][a][1]) / 2, abs=1e-5), (s, a)
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    loaded = res["loaded"]
+    assert exported["model.layers.0.self_attn.k_proj.weight"].shape == (16, HIDDEN)
+    for name, v in exported.items():  # one HF folder, the values the TP 1 engine loaded
+        assert torch.equal(v, torch.as_tensor(loaded[name])), name
