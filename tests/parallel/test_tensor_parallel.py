@@ -40,6 +40,11 @@ def build(kind: str) -> torch.nn.Module:
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=4,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager")
         return GPT2LMHeadModel(cfg)
+    if kind == "zllama":  # zeal's Llama with GQA
+        from zeal.models.llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
     from zeal.models.gpt import GPT, GPTConfig  # zeal's GPT, head tied to the embedding
 
     return GPT(GPTConfig(vocab_size=VOCAB, n_positions=SEQ, n_embd=HIDDEN, n_layer=LAYERS, n_head=4))
@@ -47,7 +52,7 @@ def build(kind: str) -> torch.nn.Module:
 
 def loss_of(model: torch.nn.Module, kind: str, ids: torch.Tensor) -> torch.Tensor:
     out = model(input_ids=ids, labels=ids)
-    return out if kind == "gpt" else out.loss
+    return out if kind in ("gpt", "zllama") else out.loss
 
 
 def batches(dp: int) -> torch.Tensor:
@@ -142,6 +147,21 @@ def refusals() -> list[str]:
     return out
 
 
+def meta_init_losses() -> tuple[float, float]:
+    """A model built on the meta device (a factory) is initialised at full size and
+    sliced: at TP 2 its first loss equals the TP 1 one."""
+    import zeal
+
+    ids = batches(1)[0, 0, 0]
+    out = []
+    for tp in (2, 1):
+        engine = zeal.initialize(lambda: build("gpt"), config(1, tp))
+        with torch.no_grad():
+            out.append(loss_of(engine, "gpt", ids).item())
+        engine.close()
+    return out[0], out[1]
+
+
 def _ranks_main(rank: int, world: int, combos: list[tuple[str, int]], save_dir: str | None) -> dict:
     out = {}
     for kind, stage in combos:
@@ -152,6 +172,7 @@ def _ranks_main(rank: int, world: int, combos: list[tuple[str, int]], save_dir: 
         engine.close()
     if world == 2:
         out["refusals"] = refusals()
+        out["meta"] = meta_init_losses()
     return out
 
 
@@ -197,7 +218,7 @@ def _check(results: list[dict], combos: list[tuple[str, int]]) -> dict:
 
 
 def test_tp2_matches_single_process():
-    combos = [("llama", 1), ("gpt", 3), ("gpt2", 0)]
+    combos = [("llama", 1), ("gpt", 3), ("gpt2", 0), ("zllama", 2)]
     results = run_ranks(_ranks_main, 2, combos, None, timeout=110)
     _check(results, combos)
     for res in results:
@@ -205,6 +226,8 @@ def test_tp2_matches_single_process():
         heads, unknown = res["refusals"]
         assert "does not divide the 3 key/value heads of module 'model.layers.0.self_attn'" in heads
         assert "cannot split module '1' (Linear)" in unknown
+        tp2, tp1 = res["meta"]
+        assert tp2 == pytest.approx(tp1, abs=1e-5)
 
 
 def test_tp2_dp2_matches_single_process_and_resumes_at_tp1(tmp_path):
