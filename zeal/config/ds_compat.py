@@ -78,6 +78,8 @@ NO_EFFECT: dict[str, str] = {
     "use_data_before_expert_parallelism_": "zeal has no expert parallelism",
     "seq_parallel_communication_data_type": "zeal has no sequence parallelism",
     "compile": "torch.compile is the caller's choice (engine.module can be compiled)",
+    "tensor_parallel.tp_overlap_comm": "zeal's tensor-parallel all-reduces run in order",
+    "tensor_parallel.tp_grain_size": "zeal splits attention by whole heads",
     "data_types": "gradients accumulate in fp32", "checkpoint.tag_validation": "zeal checks manifests instead",
     "checkpoint.load_universal": "every zeal checkpoint loads on any world size and stage",
     "checkpoint.parallel_write": "every rank writes its own shards", "checkpoint.writer": "DeepSpeed-internal",
