@@ -61,7 +61,7 @@ def batches(dp: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, ACCUM, dp, MICRO, SEQ), generator=g)
 
 
-def reference(kind: str, dp: int) -> list[list[list[float]]]:
+def reference(kind: str, dp: int, final: dict | None = None) -> list[list[list[float]]]:
     """losses[step][accum][dp rank] of plain single-process training on the global batch."""
     model = build(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -81,6 +81,8 @@ def reference(kind: str, dp: int) -> list[list[list[float]]]:
         opt.step()
         opt.zero_grad()
         out.append(per_step)
+    if final is not None:
+        final.update({k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
 
 
@@ -169,6 +171,8 @@ def _ranks_main(rank: int, world: int, combos: list[tuple[str, int]], save_dir: 
         out[f"{kind}/{stage}"] = {"losses": losses, "stats": stats, "dp": engine.mesh.dp_size}
         if world == 2 and kind == "llama":
             out["norm"] = norm_check(engine)
+        if kind == "gpt":  # whole tensors assembled from the tp slices
+            out["gpt_state"] = engine.module_state_dict()
         engine.close()
     if world == 2:
         out["refusals"] = refusals()
@@ -204,7 +208,9 @@ def _check(results: list[dict], combos: list[tuple[str, int]]) -> dict:
         for res in results:
             got = res[f"{kind}/{stage}"]
             dp = got["dp"]
-            ref = refs.setdefault((kind, dp), reference(kind, dp))
+            if (kind, dp) not in refs:
+                refs[(kind, dp)] = reference(kind, dp, refs.setdefault(("state", kind, dp), {}))
+            ref = refs[(kind, dp)]
             for s, a, d, loss in got["losses"]:
                 assert loss == pytest.approx(ref[s][a][d], abs=1e-5), (kind, stage, s, a, d)
             act = got["stats"]["by_op"]["all_reduce/activation"]
@@ -214,6 +220,10 @@ def _check(results: list[dict], combos: list[tuple[str, int]]) -> dict:
             assert act["bytes"] == ACCUM * LAYERS * 4 * 2 * bsh * 4 // 2  # fp32, (T-1)/T of it sent
             assert act["calls"] == ACCUM * LAYERS * 4
             assert got["stats"]["by_dim"]["tp"]["bytes"] >= act["bytes"]
+            if kind == "gpt":
+                final = refs[("state", kind, dp)]
+                for name, v in res["gpt_state"].items():
+                    assert torch.allclose(torch.as_tensor(v), final[name], atol=1e-4), name
     return refs
 
 

@@ -327,3 +327,26 @@ def init_full_then_slice(init, model: nn.Module, tp: TensorParallel):
         return None
 
     return wrapped
+
+
+def gather_full(tp: TensorParallel, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a state dict of this rank's slices) with every split parameter replaced by
+    its whole tensor, assembled from all tp ranks (collective over tp: every tp rank calls
+    it with the same keys)."""
+    out = dict(state)
+    for name, split in tp.splits.items():
+        local = state.get(name)
+        if local is None:
+            continue
+        device = tp.comm.ctx.device  # the collective runs where the backend wants it
+        every = torch.empty(tp.size * local.numel(), dtype=local.dtype, device=device)
+        tp.comm.all_gather(every, local.contiguous().view(-1).to(device), "param")
+        every = every.to(local.device)
+        full = torch.empty(split.global_shape, dtype=local.dtype, device=local.device)
+        parts = len(split.segments)
+        for r, piece in enumerate(every.view(tp.size, *local.shape)):
+            block = split.global_shape[split.dim] // parts
+            for j, (lo, _, n) in enumerate(split.segments):
+                full.narrow(split.dim, j * block + r * n, n).copy_(piece.narrow(split.dim, lo, n))
+        out[name] = full
+    return out
