@@ -56,7 +56,6 @@ def test_no_effect_keys_are_said_once(caplog):
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "1-bit Adam"),
     ({"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3}}}, "1-bit LAMB"),
     ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}, "0/1 Adam"),
-    ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism"),
     ({"sequence_parallel_size": 4}, "sequence parallelism"),
     ({"communication_data_type": "fp16"}, "communication dtype"),
     ({"gradient_allreduce_op": "sum"}, "summed gradients"),
@@ -150,3 +149,8 @@ def test_zeal_train_resolves_auto_from_its_flags_and_saves_it(tmp_path):
     assert e["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 30}
     assert e["gradient_clipping"] == 1.0 and e["fp16"]["enabled"] is False and e["bf16"]["enabled"] is False
     assert e["zero_optimization"]["reduce_bucket_size"] == 128 * 128  # the default GPT's n_embd
+
+
+def test_autotp_size_is_honoured():
+    assert load_config({"tensor_parallel": {"autotp_size": 2}}).tensor_parallel.autotp_size == 2
+    assert load_config({}).tensor_parallel.autotp_size == 1

@@ -20,7 +20,6 @@ REFUSED = {
     "dse_cifar_ds_config.json": "fp16 master weights",
     "dse_megatron_ds_zero2_config.json": "tensor parallelism",  # partition_activations
     "openrlhf_ddpo_ds_config.json": "tensor parallelism",  # partition_activations
-    "llamafactory_ds_z2_autotp_config.json": "tensor parallelism (AutoTP)",
     "llamafactory_ds_z3_alst_config.json": "sequence parallelism",
     "llamafactory_ds_z3_fp8_config.json": "fp8 training",
     "megatron_ds_ds_zero2_config_bf16.json": "FLOPs profiler",

@@ -28,7 +28,7 @@ from zeal.checkpoint.files import CheckpointCorruptError, CheckpointError, Check
 from zeal.checkpoint.reader import SavedShards
 from zeal.checkpoint.save import META, rank_file
 from zeal.dist.agree import first_error
-from zeal.zero.sharded_state import ParamInfo, ParamShard, ShardedStateError, dp_comm
+from zeal.zero.sharded_state import ParamInfo, ParamShard, ShardedStateError, state_comm
 from zeal.zero.slices import Box, box_shape
 
 log = logging.getLogger("zeal")
@@ -145,7 +145,7 @@ def _reader(shards: SavedShards, with_optim: bool):
 
 def _open(engine: Any, root: Path, tag: str | None) -> tuple[str, dict, SavedShards]:
     """The tag to load (falling back to older ones when configured), its meta and index."""
-    comm, rank, world = dp_comm(engine), engine.rank, engine.world_size
+    comm, rank, world = state_comm(engine), engine.rank, engine.world_size
     candidates = cf.resolve_tags(root, tag)
     fallback = tag is None and engine.config.checkpoint.fallback_to_previous
     for i, t in enumerate(candidates):
@@ -186,7 +186,7 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_stat
         prep = _prepare(engine, meta, shards, folder, with_optim, load_module_only)
     except CheckpointError as e:
         err = e
-    err = _agree(dp_comm(engine), err)
+    err = _agree(state_comm(engine), err)
     if err is not None:
         raise err
     try:

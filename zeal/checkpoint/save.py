@@ -16,7 +16,7 @@ the file's JSON metadata lists the boxes, the scalar optimizer state (Adam's ste
 this rank's RNG states. See :mod:`zeal.checkpoint.reader` for how any box is read back.
 
 Communication: a few small all-gathers of strings (tag, file checksums, errors) on
-the data-parallel group. All ranks must call :func:`save`.
+the data-parallel group (every rank of the world under tensor parallelism). All ranks must call :func:`save`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from zeal.checkpoint import files as cf
 from zeal.checkpoint.extra_state import rng_state, split_client
 from zeal.checkpoint.files import CheckpointError, TensorSpec
 from zeal.dist.agree import first_error, gather_strings
-from zeal.zero.sharded_state import ShardedState, dp_comm
+from zeal.zero.sharded_state import ShardedState, state_comm
 
 META = "meta.json"
 log = logging.getLogger("zeal")
@@ -133,7 +133,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     """Write a committed checkpoint ``save_dir/tag`` (default tag ``global_step<N>``);
     returns its path. On any rank's failure every rank raises and the previous
     checkpoints are untouched."""
-    comm, rank = dp_comm(engine), engine.rank
+    comm, rank = state_comm(engine), engine.rank
     root = Path(save_dir)
     tag = cf.check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     tags = set(gather_strings(comm, tag))
@@ -165,7 +165,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
 def _write(engine: Any, st: ShardedState, root: Path, tmp: Path, tag: str, client_state: dict | None) -> str | None:
     """Every rank writes its file; rank 0 writes meta.json and commits. Returns the first
     error of any rank (the same on every rank), or None."""
-    comm, rank = dp_comm(engine), st.rank
+    comm, rank = state_comm(engine), st.rank
     client_tensors: list[TensorSpec] = []
     client = None
     try:

@@ -213,6 +213,10 @@ class AioConfig(Section):
     overlap_events: bool = Field(True, description="Overlap reads, compute and writes.")
 
 
+class TensorParallelConfig(Section):
+    autotp_size: int = Field(1, ge=0, description="Tensor-parallel ranks per model replica (AutoTP); 0 or 1 = off.")
+
+
 class CheckpointConfig(Section):
     keep_last: int | None = Field(None, ge=1, description="Keep only the newest K committed checkpoints.")
     fallback_to_previous: bool = Field(False, description="On a corrupt latest tag, load the previous committed one.")
@@ -224,7 +228,7 @@ class ActivationCheckpointingConfig(Section):
     through its ``gradient_checkpointing_enable()``)."""
 
     partition_activations: bool = Field(
-        False, description="Split each checkpoint across tensor-parallel ranks; refused (zeal has no tensor parallelism yet).")
+        False, description="Split each checkpoint across tensor-parallel ranks; refused (not supported yet).")
     cpu_checkpointing: bool = Field(
         False, description="Keep the checkpointed group inputs in pinned CPU memory (CUDA; no effect on CPU).")
     contiguous_memory_optimization: bool = Field(
@@ -240,7 +244,8 @@ class ActivationCheckpointingConfig(Section):
     @classmethod
     def _no_partitioning(cls, v: bool) -> bool:
         if v:
-            raise ValueError("partition_activations needs tensor parallelism, which zeal does not have yet")
+            raise ValueError("partition_activations (activation checkpoints split over tensor parallelism) "
+                             "is not supported by zeal yet")
         return v
 
 
@@ -257,6 +262,8 @@ class Config(Section):
     bf16: BF16Config = Field(default_factory=BF16Config, description="bf16 mixed precision.")
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO stage, buckets, offload, ZeRO++.")
     aio: AioConfig = Field(default_factory=AioConfig, description="Asynchronous disk I/O of the nvme tier.")
+    tensor_parallel: TensorParallelConfig = Field(
+        default_factory=TensorParallelConfig, description="Tensor parallelism: attention and MLP split over ranks.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention and fallback.")
     activation_checkpointing: ActivationCheckpointingConfig | None = Field(
         None, description="Recompute activations in backward (None = as the model itself says).")

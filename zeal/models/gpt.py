@@ -70,6 +70,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.n_head = cfg.n_head
+        self.head_dim = cfg.n_embd // cfg.n_head
         self.layer_idx = layer_idx  # what ``attention`` is told (the paged KV cache is per layer)
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
@@ -77,11 +78,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention: Attention = DENSE) -> torch.Tensor:
         """x (..., T, C) -> (..., T, C); leading dims: a batch, or none (a flat serving batch)."""
-        *lead, c = x.shape
+        lead = x.shape[:-1]
+        width = self.n_head * self.head_dim  # n_embd, or this rank's heads under tensor parallelism
         # (..., T, nh, hs) each
-        q, k, v = (z.view(*lead, self.n_head, c // self.n_head) for z in self.c_attn(x).split(c, dim=-1))
+        q, k, v = (z.view(*lead, self.n_head, self.head_dim) for z in self.c_attn(x).split(width, dim=-1))
         y = attention(self.layer_idx, q, k, v, dropout_p=self.dropout if self.training else 0.0)
-        return self.c_proj(y.reshape(*lead, c))
+        return self.c_proj(y.reshape(*lead, width))
 
 
 class MLP(nn.Module):

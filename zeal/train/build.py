@@ -11,8 +11,9 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    (:mod:`zeal.dist.mesh`); batch arithmetic resolved against the data-parallel size;
 3. ``apply_precision``: the compute dtype, buffers cast to it, the fp16 loss scaler;
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
-5. (to come, in this order: token dropping, compression, tensor parallelism, MoE — each
-   changes the modules before ZeRO flattens their parameters);
+5. (to come: token dropping, compression) ``apply_tensor_parallel``: attention and MLP
+   linears split over ``mesh.tp`` (:mod:`zeal.parallel.tensor`); (to come: MoE) — each
+   changes the modules before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -35,6 +36,8 @@ from zeal.config import AutoValues, Config, ConfigError, load_config
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
+from zeal.parallel.norm import TPGradNorm
+from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
 from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.engine import EngineParts, TrainEngine
@@ -94,10 +97,16 @@ def initialize(
     if precision.dtype == torch.float16 and mesh.device.type == "cpu" and mesh.rank == 0:
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    # (to come: apply_token_drop, apply_compression, apply_tensor_parallel, apply_moe)
+    # (to come: apply_token_drop, apply_compression)
+    tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
+    if tp is not None and any(p.is_meta for p in model.parameters()):
+        init = init_full_then_slice(init, model, tp)
+    # (to come: apply_moe)
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
+    if tp is not None:
+        zopt.tp_norm = TPGradNorm(tp, zopt.units, zero.stage)
     for group, options in zip(zopt.optimizer.param_groups, client_groups.param_groups if client_groups else []):
         group.update({k: v for k, v in options.items() if k != "params"})  # per-group lr, weight decay ...
 
@@ -112,6 +121,7 @@ def initialize(
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
                         precision.scaler, scheduler, loader, precision.dtype, micro, accum)
     engine = TrainEngine(parts)
+    engine.tensor_parallel = tp
     for hook in zero.hooks:
         engine.register_step_hook(hook)
     return engine
@@ -129,7 +139,7 @@ def _mesh(cfg: Config) -> Mesh:
     zc = cfg.zero_optimization
     zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
     try:
-        mesh = build_mesh(ctx, hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
+        mesh = build_mesh(ctx, tp=max(cfg.tensor_parallel.autotp_size, 1), hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if resolve_stage(zc.stage).partitions_params or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):

@@ -298,8 +298,14 @@ class TrainEngine:
         """The full model state (parameters in fp32 from the masters where they exist,
         plus buffers), on CPU, identical on every rank."""
         with torch.no_grad(), self.gathered_parameters():
-            return {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
-                    for k, v in self.module.state_dict().items()}
+            state = {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
+                     for k, v in self.module.state_dict().items()}
+        tp = getattr(self, "tensor_parallel", None)
+        if tp is not None:  # whole tensors from every tp rank's slices
+            from zeal.parallel.tensor import gather_full
+
+            state = gather_full(tp, state)
+        return state
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

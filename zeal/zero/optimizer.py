@@ -16,6 +16,7 @@ tied parameters live in one unit, so nothing is counted twice).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,22 +30,29 @@ from zeal.zero.units import FlatUnit
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
-                       clip: float) -> tuple[bool, float]:
+                       clip: float, tp_norm: Any = None) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
     Stage 0 holds the whole mean gradient on every rank, so its norm needs no
-    communication; stages 1–3 sum squared shard norms over ranks."""
+    communication; stages 1–3 sum squared shard norms over ranks. Under tensor
+    parallelism ``tp_norm`` (a :class:`~zeal.parallel.norm.TPGradNorm`) gives the local
+    squared norm with split parameters summed over tp, and spreads overflows over tp."""
     if scaler is not None:
         inv = 1.0 / scaler.scale
         for g in grads:
             g.mul_(inv)
         bad = any(not torch.isfinite(g).all() for g in grads)
         bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
+        if tp_norm is not None:
+            bad = tp_norm.any(bad)
         scaler.update(bad)
         if bad:
             return False, float("inf")
     # per-tensor fp32 norms (no full-size temporaries), summed in double
-    sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+    if tp_norm is not None:
+        sq = tp_norm.sq(grads)
+    else:
+        sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
     if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
     norm = math.sqrt(sq)
@@ -80,6 +88,7 @@ class ZeroOptimizer:
             self.masters.append(m)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.tp_norm: Any = None  # set under tensor parallelism (zeal.parallel.norm.TPGradNorm)
 
     def bind(self, groups: list[dict]) -> None:
         """Point the inner optimizer's param groups at the masters (group by unit.group)."""
@@ -96,7 +105,8 @@ class ZeroOptimizer:
             g = self.reducer.reduced_grad(u)
             m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
-        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
+        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
+                                                         self.tp_norm)
         if not ok:
             self.skipped_steps += 1
             self._drop_grads()

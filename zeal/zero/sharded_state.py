@@ -5,7 +5,10 @@ For every parameter: its name, global shape, and the boxes (N-d slices, see
 trainable parameters; the model's own dtype for frozen ones) and its optimizer state
 for that box (moments of the box's shape; scalars such as Adam's step). Over the ranks
 of the data-parallel group the owned boxes tile every parameter exactly once, whatever
-the stage: a saver writes each element once.
+the stage: a saver writes each element once. Under tensor parallelism a split
+parameter's boxes are this rank's slice of the *global* tensor (so a checkpoint saved at
+TP 2 loads at TP 1), and a replicated one is owned by tp rank 0 (held by every tp rank):
+the owned boxes then tile every parameter once over the whole world.
 
 ZeRO partitions the *flat* buffer of a unit of parameters, so a rank's shard of one
 parameter is a flat range of the flattened parameter. It is described here by the boxes
@@ -43,7 +46,7 @@ from zeal.zero.partition import padded_size, shard_range, slot_overlap
 from zeal.zero.slices import Box, box_numel, box_shape, flat_range_boxes, flat_start, full_box, index
 
 __all__ = ["Box", "ParamInfo", "ParamShard", "ShardedState", "ShardedStateError", "dp_comm",
-           "load_sharded_state", "sharded_state"]
+           "load_sharded_state", "sharded_state", "state_comm"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,12 @@ def dp_comm(engine: Any) -> Comm:
     return engine.mesh.dp
 
 
+def state_comm(engine: Any) -> Comm:
+    """Every rank holding a part of the state (the world: under tensor parallelism each tp
+    rank holds other slices); checkpoints agree and name their files over it."""
+    return engine.mesh.world
+
+
 @dataclass
 class _Parts:
     module: nn.Module
@@ -114,12 +123,15 @@ class _Parts:
     comm: Comm
     rank: int
     world: int
+    tp: Any = None  # zeal.parallel.TensorParallel, or None
+    agree: Comm | None = None  # state_comm: where errors are agreed
 
 
 def _parts(engine: Any) -> _Parts:
     p = engine._p
     return _Parts(engine.module, p.units, p.zero_optimizer, p.coordinator, p.scaler, dp_comm(engine),
-                  engine.mesh.dp_rank, engine.mesh.dp_size)
+                  engine.mesh.dp_rank, engine.mesh.dp_size, getattr(engine, "tensor_parallel", None),
+                  state_comm(engine))
 
 
 @contextlib.contextmanager
@@ -141,17 +153,54 @@ class _Target:
     box: Box
     values: torch.Tensor  # view of the live storage (box shape)
     master: torch.Tensor | None  # the flat master holding it (trainable), for the optimizer state
-    offset: int  # flat offset of the box inside ``master``
+    offset: int  # flat offset inside ``master`` of the local (contiguous) box holding this one
+    local_shape: tuple[int, ...] = ()  # shape of that local box
+    sub: tuple[slice, ...] | None = None  # this box inside it (tensor-parallel fused parts), or all
+
+
+def _view(flat: torch.Tensor, t: _Target) -> torch.Tensor:
+    """The part of a flat tensor shaped like ``t.master`` that holds ``t``'s box."""
+    n = 1
+    for d in t.local_shape:
+        n *= d
+    v = flat.view(-1)[t.offset:t.offset + n].view(t.local_shape)
+    return v if t.sub is None else v[t.sub]
+
+
+def _global_boxes(parts: _Parts, name: str, box: Box, owned: bool) -> list[tuple[Box, tuple[slice, ...] | None]]:
+    """A box of this rank's (local) parameter as boxes of the global parameter, each with
+    its place in the local box; a replicated parameter under tensor parallelism is owned
+    by tp rank 0 only (held by all)."""
+    tp = parts.tp
+    split = tp.splits.get(name) if tp is not None else None
+    if split is None:
+        return [] if owned and tp is not None and tp.rank != 0 else [(box, None)]
+    a, b = box[split.dim]
+    out = []
+    for lo, g, n in split.segments:
+        x, y = max(a, lo), min(b, lo + n)
+        if x >= y:
+            continue
+        gbox = tuple((g + x - lo, g + y - lo) if d == split.dim else r for d, r in enumerate(box))
+        sub = tuple(slice(x - a, y - a) if d == split.dim else slice(None) for d in range(len(box)))
+        out.append((gbox, None if (x, y) == (a, b) else sub))
+    return out
 
 
 def _infos(parts: _Parts) -> dict[str, ParamInfo]:
     info: dict[str, ParamInfo] = {}
+    splits = parts.tp.splits if parts.tp is not None else {}
+
+    def shape(name: str, local: tuple[int, ...]) -> tuple[int, ...]:
+        return splits[name].global_shape if name in splits else local
+
     for u in parts.units:
         for slot in u.slots:
-            info[slot.name] = ParamInfo(slot.name, tuple(slot.shape), torch.float32 if u.trainable else u.dtype,
+            info[slot.name] = ParamInfo(slot.name, shape(slot.name, tuple(slot.shape)),
+                                        torch.float32 if u.trainable else u.dtype,
                                         u.dtype, u.trainable, u.group if u.trainable else None)
     for n, q in _loose(parts):
-        info[n] = ParamInfo(n, tuple(q.shape), q.dtype, q.dtype, False, None)
+        info[n] = ParamInfo(n, shape(n, tuple(q.shape)), q.dtype, q.dtype, False, None)
     order = [n for n, _ in parts.module.named_parameters()]
     return {n: info[n] for n in order if n in info}
 
@@ -183,7 +232,9 @@ def _targets(parts: _Parts, owned: bool) -> Iterator[_Target]:
             for box in flat_range_boxes(slot.shape, *ov):
                 off = slot.offset + flat_start(slot.shape, box) - base
                 view = src[off:off + box_numel(box)].view(box_shape(box))
-                yield _Target(infos[slot.name], box, view, m, off)
+                for gbox, sub in _global_boxes(parts, slot.name, box, owned):
+                    yield _Target(infos[slot.name], gbox, view if sub is None else view[sub], m, off,
+                                  box_shape(box), sub)
     for n, q in _loose(parts):
         if owned:  # shared by the flat partition of the parameter, as units are
             lo, hi = shard_range(padded_size(q.numel(), parts.world), parts.rank, parts.world)
@@ -191,7 +242,9 @@ def _targets(parts: _Parts, owned: bool) -> Iterator[_Target]:
         else:
             boxes = [full_box(q.shape)]
         for box in boxes:
-            yield _Target(infos[n], box, q.data[index(box)], None, 0)
+            for gbox, sub in _global_boxes(parts, n, box, owned):
+                view = q.data[index(box)]
+                yield _Target(infos[n], gbox, view if sub is None else view[sub], None, 0)
 
 
 def _optimizer_views(opt: Any, t: _Target) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -201,7 +254,7 @@ def _optimizer_views(opt: Any, t: _Target) -> tuple[dict[str, torch.Tensor], dic
         return moments, scalars
     for k, v in opt.state.get(t.master, {}).items():
         if isinstance(v, torch.Tensor) and v.shape == t.master.shape:
-            moments[k] = v.view(-1)[t.offset:t.offset + t.values.numel()].view(t.values.shape)
+            moments[k] = _view(v, t)
         elif isinstance(v, (bool, int, float)) or (isinstance(v, torch.Tensor) and v.dim() == 0):
             scalars[k] = v
         else:
@@ -224,7 +277,7 @@ def sharded_state(engine: Any) -> Iterator[ShardedState]:
         for t in _targets(parts, owned=True):
             moments, scalars = _optimizer_views(opt, t)
             shards.append(ParamShard(t.info, t.box, t.values, moments, scalars))
-        yield ShardedState(parts.rank, parts.world, _infos(parts), shards, parts.zopt.skipped_steps,
+        yield ShardedState(parts.agree.ctx.rank, parts.agree.size, _infos(parts), shards, parts.zopt.skipped_steps,
                            parts.scaler.state_dict() if parts.scaler is not None else None)
 
 
@@ -244,7 +297,7 @@ def load_sharded_state(engine: Any, read: Reader, *, load_optimizer: bool = True
             _fill(parts, read, load_optimizer)
         except Exception as e:  # noqa: BLE001 - every rank must learn of any rank's failure
             err = f"{type(e).__name__}: {e}"
-        first = first_error(parts.comm, None if err is None else f"{parts.rank}\0{err}")
+        first = first_error(parts.agree, None if err is None else f"{parts.rank}\0{err}")
         if first is not None:
             rank, _, msg = first.partition("\0")
             raise ShardedStateError(msg, int(rank))
@@ -270,7 +323,7 @@ def _fill(parts: _Parts, read: Reader, load_optimizer: bool) -> None:
             for k, v in shard.moments.items():
                 if k not in st:
                     st[k] = torch.zeros_like(t.master, dtype=torch.float32)  # padding stays zero
-                st[k].view(-1)[t.offset:t.offset + v.numel()].view(v.shape).copy_(v)
+                _view(st[k], t).copy_(v)
             for k, v in shard.scalars.items():
                 if k in st and float(st[k]) != float(v):
                     raise ValueError(f"{t.info.name}: optimizer scalar {k!r} is {float(v)} here and "

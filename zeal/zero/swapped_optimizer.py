@@ -67,13 +67,15 @@ class SwappedZeroOptimizer:
         self.optimizer = LrGroups(lr)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.tp_norm = None  # set under tensor parallelism (zeal.parallel.norm.TPGradNorm)
         self.last_stats = None
         self._staging: dict[int, torch.Tensor] = {}
         self.masters: list[torch.Tensor] = []  # only inside load_into_memory()
 
     def step(self) -> bool:
         grads = [self.reducer.reduced_grad(u) for u in self.units]
-        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
+        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
+                                                         self.tp_norm)
         if not ok:
             self.skipped_steps += 1
             return False

@@ -1,0 +1,133 @@
+"""Tensor parallelism: zeal's TP step beside PyTorch's own (``parallelize_module`` with the
+same ColwiseParallel / RowwiseParallel plan), same model, same batch, same ranks.
+
+    flock /tmp/zeal-heavy.lock python bench/tp/bench_tp.py [--world 4] [--steps 6]
+
+A small Hugging Face Llama (GQA), fp32, gloo on CPU, TP = world (no data parallelism).
+Printed per framework: median step time (forward, backward, AdamW step) and the bytes
+each rank sends over tp per step. zeal's bytes come from ``engine.comm_stats()``; torch's
+from ``CommDebugMode`` (all-reduce counts) times the activation size, both with the same
+bandwidth-optimal convention (an all-reduce of n fp32 elements sends 2n·4·(T-1)/T
+bytes). The Megatron formula is printed beside: per layer 2 all-reduces of b·s·h forward
+and 2 backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import time
+
+HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH = 256, 688, 4, 8, 4, 1024, 128, 4
+
+
+def build():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV, max_position_embeddings=SEQ,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def _zeal(world: int, steps: int, ids) -> tuple[list[float], int]:
+    import zeal
+
+    engine = zeal.initialize(build(), {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+                                       "tensor_parallel": {"autotp_size": world}})
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    tp_bytes = engine.comm_stats()["last_step"]["by_dim"]["tp"]["bytes"]
+    engine.close()
+    return times, tp_bytes
+
+
+def _torch(world: int, steps: int, ids) -> tuple[list[float], int]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = build()
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(), p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(), p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    parallelize_module(model, mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    times, counts = [], 0
+    for i in range(steps):
+        mode = CommDebugMode() if i == steps - 1 else None
+        t0 = time.perf_counter()
+        if mode is not None:
+            mode.__enter__()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            counts = sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
+        times.append(time.perf_counter() - t0)
+    n = BATCH * SEQ * HIDDEN
+    return times, counts * 2 * n * 4 * (world - 1) // world
+
+
+def _rank(rank: int, world: int, port: int, steps: int, q) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+                       "OMP_NUM_THREADS": "1"})
+    import torch
+
+    torch.set_num_threads(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    zt, zb = _zeal(world, steps, ids)
+    tt, tb = _torch(world, steps, ids)
+    q.put((rank, zt, zb, tt, tb))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
+    a = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, a.world, port, a.steps, q)) for r in range(a.world)]
+    for p in procs:
+        p.start()
+    res = sorted(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    _, zt, zb, tt, tb = res[0]
+    z, t = statistics.median(zt[1:]), statistics.median(tt[1:])
+    formula = LAYERS * 4 * 2 * BATCH * SEQ * HIDDEN * 4 * (a.world - 1) // a.world
+    print(f"Llama h={HIDDEN} layers={LAYERS} heads={HEADS}/{KV} b={BATCH} s={SEQ}, TP {a.world} gloo CPU, fp32")
+    print(f"step time   zeal {z * 1e3:8.1f} ms   torch TP {t * 1e3:8.1f} ms   zeal/torch {z / t:.2f}x")
+    print(f"tp bytes    zeal {zb:>10}   torch TP {tb:>10}   Megatron formula {formula:>10}   "
+          f"zeal/torch {zb / max(tb, 1):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
