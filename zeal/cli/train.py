@@ -256,8 +256,13 @@ def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
     env = child_env(spec.job.nproc)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's deprecation notices, once per rank
     env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
+    env["ZEAL_FORENSICS_DIR"] = str(logs)  # where a rank whose collective timed out leaves its records
     rc = subprocess.call(argv, env=env)
     if rc != 0:
+        if any(logs.glob("collectives-rank*.json")):
+            from zeal.dist.forensics import report
+
+            print(report(logs), file=sys.stderr)
         first = first_rank_error(logs)
         if first is None:
             print(f"zeal train: error: the ranks failed (exit status {rc}); see {logs / 'torchrun.log'}",

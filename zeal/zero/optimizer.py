@@ -29,17 +29,19 @@ from zeal.zero.units import FlatUnit
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
-                       clip: float) -> tuple[bool, float]:
+                       clip: float, across: Comm | None = None) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
     Stage 0 holds the whole mean gradient on every rank, so its norm needs no
-    communication; stages 1–3 sum squared shard norms over ranks."""
+    communication; stages 1–3 sum squared shard norms over ranks. ``across`` (the
+    pipeline stages, each holding other parameters) sums the flag and the norm over it too."""
     if scaler is not None:
         inv = 1.0 / scaler.scale
         for g in grads:
             g.mul_(inv)
         bad = any(not torch.isfinite(g).all() for g in grads)
-        bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
+        bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max")
+        bad = (across.all_reduce_scalar(bad, "max") if across is not None else bad) > 0
         scaler.update(bad)
         if bad:
             return False, float("inf")
@@ -47,6 +49,8 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
     sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
     if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
+    if across is not None:
+        sq = across.all_reduce_scalar(sq, "sum")
     norm = math.sqrt(sq)
     if clip > 0:
         coef = clip / (norm + 1e-6)
@@ -80,6 +84,7 @@ class ZeroOptimizer:
             self.masters.append(m)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.across: Comm | None = None  # pipeline stages: see unscale_check_clip
 
     def bind(self, groups: list[dict]) -> None:
         """Point the inner optimizer's param groups at the masters (group by unit.group)."""
@@ -96,7 +101,8 @@ class ZeroOptimizer:
             g = self.reducer.reduced_grad(u)
             m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
-        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
+        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
+                                                             self.across)
         if not ok:
             self.skipped_steps += 1
             self._drop_grads()
