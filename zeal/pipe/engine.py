@@ -42,9 +42,28 @@ class PipelineEngine(TrainEngine):
         self.pp = parts.mesh.pp
         self.bubble_time = 0.0  # seconds this stage waited for its peers in the last train_batch
         self.busy_time = 0.0    # seconds it computed
+        self.peak_in_flight = 0  # most micro-batches whose activations this stage held at once
         parts.zero_optimizer.across = self.pp  # the norm and the overflow flag cover every stage
         self._iter: Iterator | None = None
         self._install_tied()
+        self.global_params, self.global_state_dict_keys = self._layout()
+
+    def _layout(self) -> tuple[dict, dict]:
+        """The whole model's parameters and state-dict keys (for checkpoints)."""
+        from zeal.pipe.layout import gather_layout, stage_layout
+        from zeal.zero import sharded_state as zss
+
+        tied = self.stage.tied
+        names = {id(q): n for n, q in self.module.named_parameters()}
+        alias = tied_name = None
+        if tied is not None and tied.param is not None:
+            tied_name = names[id(tied.param)]
+        if tied is not None and tied.owner is not None and not self.stage.first:
+            prefix = next(n for n, m in self.module.named_modules() if m is tied.owner)
+            alias = f"{prefix}.{tied.attr}" if prefix else tied.attr
+        with zss.sharded_state(self, local=True) as st:
+            mine = stage_layout(st.params, self.module, alias, tied_name)
+        return gather_layout(self.pp, mine)
 
     # -- what the plain engine offers and a stage cannot ----------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -73,6 +92,7 @@ class PipelineEngine(TrainEngine):
         sends: list = []
         backwards = 0
         self.bubble_time = self.busy_time = 0.0
+        self.peak_in_flight = 0
         for kind, m in steps:
             if kind == "F":
                 x, out = self._forward(m, batches)
@@ -82,6 +102,7 @@ class PipelineEngine(TrainEngine):
                 else:
                     sends += self._send_activation(out.detach())
                 outputs[m] = out
+                self.peak_in_flight = max(self.peak_in_flight, len(outputs))
                 continue
             boundary = backwards == m_count - 1
             x, out = inputs.pop(m), outputs.pop(m)
