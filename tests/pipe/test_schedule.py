@@ -84,3 +84,21 @@ def test_pipeline_module_builds_only_its_layers_under_global_names():
     assert torch.equal(m(x), torch.relu(m.layers[3](x)))
     with pytest.raises(ValueError, match="partition_method"):
         PipelineModule(layers, num_stages=2, partition_method="type:Linear", stage_id=0)
+
+
+def test_activation_checkpoint_interval_keeps_values_and_gradients():
+    from zeal.deepspeed.pipe import LayerSpec as DsLayerSpec
+
+    def build(every):
+        layers = [DsLayerSpec(nn.Linear, 6, 6), torch.tanh, DsLayerSpec(nn.Linear, 6, 6), nn.GELU(),
+                  DsLayerSpec(nn.Linear, 6, 2)]
+        return PipelineModule(layers, num_stages=1, stage_id=0, seed_layers=True, activation_checkpoint_interval=every)
+
+    x = torch.randn(3, 6)
+    plain, ckpt = build(0), build(2)
+    a, b = plain(x).square().sum(), ckpt(x).square().sum()
+    a.backward()
+    b.backward()
+    assert torch.equal(a, b)
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-7)

@@ -20,7 +20,8 @@ and the batch's labels go to ``loss_fn(output, labels)``.
 
 As in DeepSpeed, ``seed_layers=True`` builds layer ``i`` under the seed ``base_seed + i``,
 so its initial values do not depend on which layers this rank builds (the global RNG
-is left as it was).
+is left as it was). ``activation_checkpoint_interval=k`` recomputes each group of ``k``
+of this stage's layers in backward (DeepSpeed's keyword).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class LayerSpec:
@@ -116,7 +118,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable | None = None, num_stages: int | None = None,
                  partition_method: str = "parameters", stage_id: int | None = None, seed_layers: bool = False,
-                 base_seed: int = 1234) -> None:
+                 base_seed: int = 1234, activation_checkpoint_interval: int = 0) -> None:
         super().__init__()
         if not layers:
             raise ValueError("PipelineModule needs at least one layer")
@@ -138,15 +140,26 @@ class PipelineModule(nn.Module):
         self.layers = nn.ModuleList(_as_module(x, base_seed + i if seed_layers else None) if lo <= i < hi
                                     else nn.Identity() for i, x in enumerate(layers))
         self._local = list(range(lo, hi))
+        self.activation_checkpoint_interval = activation_checkpoint_interval
 
     def stage_layers(self, stage: int) -> range:
         """The global indices of the layers of ``stage``."""
         return range(self.parts[stage], self.parts[stage + 1])
 
     def forward(self, x: Any) -> Any:
-        for i in self._local:
-            x = self.layers[i](x)
+        layers = [self.layers[i] for i in self._local]
+        every = self.activation_checkpoint_interval
+        if every <= 0 or not (self.training and torch.is_grad_enabled()):
+            return _run(layers, x)
+        for start in range(0, len(layers), every):  # each group of layers recomputed in backward
+            x = checkpoint(_run, layers[start:start + every], x, use_reentrant=False)
         return x
+
+
+def _run(layers: list[nn.Module], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 def _as_module(layer: Any, seed: int | None) -> nn.Module:
