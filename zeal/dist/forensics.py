@@ -49,8 +49,8 @@ class CollectiveLog:
             seq = self._seq.get(key, 0)
             self._seq[key] = seq + 1
             self.records.append({
-                "seq": seq, "group": name, "ranks": list(ranks), "op": op,
-                "shape": list(getattr(tensor, "shape", ())), "dtype": str(getattr(tensor, "dtype", "")),
+                "seq": seq, "group": name, "ranks": ranks, "op": op,
+                "shape": tuple(getattr(tensor, "shape", ())), "dtype": getattr(tensor, "dtype", ""),
                 "site": call_site(), "time": time.time(),
             })
 
@@ -61,8 +61,9 @@ class CollectiveLog:
         path = out / f"collectives-rank{self.rank}.json"
         tmp = out / f".collectives-rank{self.rank}.json.tmp"
         with self._lock:
+            records = [{**r, "dtype": str(r["dtype"])} for r in self.records]  # shapes are tuples: JSON lists
             body = {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "error": error[:2000],
-                    "records": list(self.records)}
+                    "records": records}
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, path)
         self.dumped = path

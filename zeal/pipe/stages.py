@@ -125,7 +125,6 @@ def _split_decoder(model: nn.Module, index: int, count: int, parts: _Parts) -> S
             del model.lm_head.weight  # computed with a copy the engine installs (not a parameter)
             tied.owner = model.lm_head
     kept = [blocks[i] for i in mine]
-    policy = model.checkpoint_policy
     is_llama = parts is _LLAMA_PARTS
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -138,11 +137,11 @@ def _split_decoder(model: nn.Module, index: int, count: int, parts: _Parts) -> S
                 x = trunk.drop(trunk.wte(ids) + trunk.wpe(positions))
         if is_llama:
             rope = model.rope(torch.arange(x.shape[-2], device=x.device), x.dtype)
-            return run_blocks(kept, x, policy, rope)
-        return run_blocks(kept, x, policy)
+            return run_blocks(kept, x, model.checkpoint_policy, rope)
+        return run_blocks(kept, x, model.checkpoint_policy)  # the policy activation checkpointing set
 
     def loss(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(model.lm_head, getattr(trunk, parts.norm)(x), labels, policy)
+        return causal_lm_loss(model.lm_head, getattr(trunk, parts.norm)(x), labels, model.checkpoint_policy)
 
     return Stage(model, index, count, forward, loss if last else None, tied)
 
