@@ -155,17 +155,20 @@ def _save_midway(rank: int, world: int, folder: str):
         if s == 3:
             engine.save_checkpoint(folder, tag="mid")
         losses.append(float(engine.train_batch(iter([(x[s, m, 0], x[s, m, 0]) for m in range(M)]))))
-    return losses
+    engine.load_checkpoint(folder, tag="mid")  # back into the same stages: the same two steps again
+    again = [float(engine.train_batch(iter([(x[s, m, 0], x[s, m, 0]) for m in range(M)]))) for s in (3, 4)]
+    return losses, again
 
 
 @pytest.mark.timeout(120)
 def test_pp2_checkpoint_loads_without_pipeline(tmp_path):
     """Saved by 2 stages after 3 steps, loaded by one process (no pipeline): steps 4 and 5
     give the pipeline run's losses (the optimizer moments travelled too: Adam's update
-    would differ otherwise)."""
+    would differ otherwise). Loaded back into the 2 stages, they repeat those steps."""
     import zeal
 
-    pp_losses = run_ranks(_save_midway, 2, str(tmp_path), timeout=100)[0]
+    pp_losses, again = run_ranks(_save_midway, 2, str(tmp_path), timeout=100)[0]
+    assert again == pytest.approx(pp_losses[3:], abs=1e-6)
     config = _config(1, "1f1b")
     del config["pipeline_parallel"]
     engine = zeal.initialize(_gpt(), config)

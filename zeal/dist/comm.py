@@ -119,6 +119,7 @@ class Comm:
     def record(self, op: str, kind: str, logical: int, nbytes: int, inter: int) -> None:
         """Account a transfer this Comm's group made outside its methods (quantized ZeRO++ ops)."""
         self.stats.record(op, kind, logical, nbytes, inter, self.name)
+        LOG.record(self.name, self._key, op)
 
     def all_reduce(self, t: torch.Tensor, kind: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if not self.active:
