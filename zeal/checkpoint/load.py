@@ -111,8 +111,9 @@ def open_shards(folder: Path, manifest: dict, meta: dict, transient: bool = Fals
     return SavedShards(folder, expected, shapes, manifest["version"], transient=transient)
 
 
-def _check_model(meta: dict, module: torch.nn.Module, path: Path) -> None:
-    want = {n: list(q.shape) for n, q in module.named_parameters()}
+def _check_model(meta: dict, module: torch.nn.Module, path: Path, whole: dict | None = None) -> None:
+    want = {n: list(q.shape) for n, q in module.named_parameters()} if whole is None else \
+        {n: list(i.shape) for n, i in whole.items()}  # pipeline stages: the whole model's
     have = {n: v["shape"] for n, v in meta["params"].items()}
     if want != have:
         miss = sorted(set(want) - set(have))
@@ -153,7 +154,7 @@ def _open(engine: Any, root: Path, tag: str | None) -> tuple[str, dict, SavedSha
         try:
             manifest = _verify(root / t, rank, world)
             meta = read_meta(root / t)
-            _check_model(meta, engine.module, root / t / META)
+            _check_model(meta, engine.module, root / t / META, getattr(engine, "global_params", None))
             shards = open_shards(root / t, manifest, meta)
         except CheckpointError as e:
             err = e

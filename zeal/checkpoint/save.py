@@ -108,6 +108,7 @@ def _meta(engine: Any, st: ShardedState, tag: str, client: Any) -> dict:
         first_name.setdefault(id(q), n)
     sd_keys = {n: ["param", first_name[id(q)]] for n, q in module.named_parameters(remove_duplicate=False)
                if n in keys}
+    sd_keys = getattr(engine, "global_state_dict_keys", None) or sd_keys  # pipeline stages: the whole model's
     sd_keys.update({n: ["buffer", n] for n in bufs})
     opt = engine.optimizer
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]

@@ -52,7 +52,8 @@ def clear_rank_errors(log_dir: str | Path) -> None:
     """Remove the records of an earlier launch (before starting the ranks)."""
     log_dir = Path(log_dir)
     if log_dir.is_dir():
-        for p in list(log_dir.glob("rank*.json")) + list(log_dir.glob("rank*.log")):
+        for p in list(log_dir.glob("rank*.json")) + list(log_dir.glob("rank*.log")) + \
+                list(log_dir.glob("collectives-rank*.json")):
             p.unlink(missing_ok=True)
 
 

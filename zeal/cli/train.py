@@ -256,8 +256,13 @@ def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
     env = child_env(spec.job.nproc)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's deprecation notices, once per rank
     env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
+    env["ZEAL_FORENSICS_DIR"] = str(logs)  # where a rank whose collective timed out leaves its records
     rc = subprocess.call(argv, env=env)
     if rc != 0:
+        if any(logs.glob("collectives-rank*.json")):
+            from zeal.dist.forensics import report
+
+            print(report(logs), file=sys.stderr)
         print(failure_line(logs, rc, "zeal train", logs / "torchrun.log"), file=sys.stderr)
         raise SystemExit(rc)
     return 0

@@ -23,7 +23,7 @@ from typing import Any
 
 # path -> (feature zeal lacks, values that ask for nothing and so pass silently)
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
-    "pipeline": ("pipeline parallelism", ({},)),
+    "pipeline": ("pipeline parallelism through DeepSpeed's 'pipeline' section (zeal's key is 'pipeline_parallel')", ({},)),
     "flops_profiler": ("the FLOPs profiler", ()),
     "compression_training": ("the compression library", ()),
     "data_efficiency": ("the data-efficiency library", ()),

@@ -249,6 +249,22 @@ class ActivationCheckpointingConfig(Section):
         return v
 
 
+class PipelineConfig(Section):
+    """Pipeline parallelism (``zeal.pipe``): the model split into ``size`` stages; one
+    optimizer step runs ``micro_batches`` micro-batches through the ``schedule``."""
+
+    size: int = Field(1, ge=1, description="Pipeline stages (1 = off); divides the world with tp.")
+    micro_batches: int | None = Field(
+        None, ge=1, description="Micro-batches per optimizer step (default: gradient_accumulation_steps; "
+                                "given, they must agree).")
+    schedule: Literal["1f1b", "gpipe", "interleaved"] = Field(
+        "1f1b", description="1f1b (at most `size` micro-batches in flight), gpipe (all forwards, then all "
+                            "backwards); interleaved is refused (not implemented).")
+    partition_method: Literal["parameters", "uniform"] = Field(
+        "parameters", description="How a zeal.pipe.PipelineModule's layers are split: balanced parameter "
+                                  "counts, or equal layer counts.")
+
+
 class Config(Section):
     """The whole engine configuration (DeepSpeed JSON keys)."""
 
@@ -273,6 +289,12 @@ class Config(Section):
                       description="Seed for data order and meta-device materialisation (0 <= seed < 2**32).")
     dist_backend: Literal["gloo", "nccl"] | None = Field(None, description="None = nccl on CUDA, gloo on CPU.")
     local_world_size: int | None = Field(None, ge=1, description="Ranks per node (default: torchrun's LOCAL_WORLD_SIZE).")
+    comm_timeout_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False,
+        description="Seconds a collective may wait before it fails and leaves hang-forensics records "
+                    "(ZEAL_COMM_TIMEOUT_S overrides; default 600).")
+    pipeline_parallel: PipelineConfig = Field(default_factory=PipelineConfig,
+                                              description="Pipeline parallelism: stages, micro-batches, schedule.")
 
     @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     @classmethod
@@ -295,6 +317,9 @@ class Config(Section):
         for key in ("zero_quantized_weights", "zero_quantized_gradients"):
             if getattr(z, key) and z.stage != 3:
                 raise ValueError(f"zero_optimization.{key} (ZeRO++) needs zero_optimization.stage 3, got {z.stage}")
+        if self.pipeline_parallel.size > 1 and z.stage == 3:
+            raise ValueError("pipeline_parallel.size > 1 with zero_optimization.stage 3 is not supported "
+                             "(as in DeepSpeed): use stage 0, 1 or 2")
         if z.zero_hpz_partition_size > 1 and z.stage != 3:
             raise ValueError(f"zero_optimization.zero_hpz_partition_size needs zero_optimization.stage 3, got {z.stage}")
         for key, sec in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from zeal.dist.buffers import BufferPool
 from zeal.dist.context import DistContext
+from zeal.dist.forensics import LOG, on_failure
 from zeal.dist.p2p import all_gather_p2p, reduce_scatter_p2p
 
 
@@ -102,6 +103,8 @@ class Comm:
         self.pairwise = self.active and dist.get_backend(self.group) == "gloo"
         self._me = self.ranks.index(ctx.rank) if ctx.rank in self.ranks else 0
         self._scratch = BufferPool()  # chunks received by reduce-scatters on more than 2 ranks
+        self._key = tuple(self.ranks)  # the group, as hang forensics names it
+        LOG.rank = ctx.rank
 
     @property
     def active(self) -> bool:
@@ -116,12 +119,14 @@ class Comm:
     def record(self, op: str, kind: str, logical: int, nbytes: int, inter: int) -> None:
         """Account a transfer this Comm's group made outside its methods (quantized ZeRO++ ops)."""
         self.stats.record(op, kind, logical, nbytes, inter, self.name)
+        LOG.record(self.name, self._key, op)
 
     def all_reduce(self, t: torch.Tensor, kind: str, op=dist.ReduceOp.SUM, async_op: bool = False):
         if not self.active:
             return Done()
         self._account("all_reduce", kind, t.numel(), t.element_size(), factor=2)
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op) or Done()
+        LOG.record(self.name, self._key, "all_reduce", t)
+        return _watch(lambda: dist.all_reduce(t, op=op, group=self.group, async_op=async_op))
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, kind: str, async_op: bool = False):
         """``out`` (n·s elements) receives every rank's ``shard`` (s elements) in rank order;
@@ -131,16 +136,17 @@ class Comm:
                 out.copy_(shard.view(out.shape))
             return Done()
         self._account("all_gather", kind, out.numel(), out.element_size())
+        LOG.record(self.name, self._key, "all_gather", out)
         with torch.autograd._unsafe_preserve_version_counter(out):
             if self.pairwise:
-                work = all_gather_p2p(out, shard, self.group, self._me, self.size)
+                work = _watch(lambda: all_gather_p2p(out, shard, self.group, self._me, self.size))
                 if not async_op:
                     work.wait()
             else:
                 if shard.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
                     shard = shard.clone()  # the flat collective may not read and write one buffer
-                work = all_gather_flat(out, shard, group=self.group, async_op=async_op)
-        return work or Done()
+                work = _watch(lambda: all_gather_flat(out, shard, group=self.group, async_op=async_op))
+        return work
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, kind: str, async_op: bool = False):
         """``out`` (s elements) receives the sum over ranks of this rank's chunk of ``full``."""
@@ -148,9 +154,10 @@ class Comm:
             out.copy_(full.view(out.shape))
             return Done()
         self._account("reduce_scatter", kind, full.numel(), full.element_size())
+        LOG.record(self.name, self._key, "reduce_scatter", full)
         if not self.pairwise:
-            return reduce_scatter_flat(out, full, group=self.group, async_op=async_op) or Done()
-        work = reduce_scatter_p2p(out, full, self.group, self._me, self.size, self._scratch)
+            return _watch(lambda: reduce_scatter_flat(out, full, group=self.group, async_op=async_op))
+        work = _watch(lambda: reduce_scatter_p2p(out, full, self.group, self._me, self.size, self._scratch))
         if not async_op:
             work.wait()
         return work
@@ -159,8 +166,9 @@ class Comm:
         if not self.active:
             return
         self._account("broadcast", kind, t.numel(), t.element_size())
+        LOG.record(self.name, self._key, "broadcast", t)
         with torch.autograd._unsafe_preserve_version_counter(t):
-            dist.broadcast(t, src=self.ranks[src], group=self.group)
+            _watch(lambda: dist.broadcast(t, src=self.ranks[src], group=self.group))
 
     def all_reduce_scalar(self, value: float, op: str = "sum") -> float:
         """All-reduce one float (control traffic); returns it unchanged at world size 1."""
@@ -170,6 +178,62 @@ class Comm:
         red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         self.all_reduce(t, "control", op=red)
         return float(t.item())
+
+
+    # -- point to point (pipeline stages) -----------------------------------------------
+    def _account_p2p(self, op: str, kind: str, t: torch.Tensor, peer: int) -> None:
+        nbytes = t.numel() * t.element_size()
+        remote = self.ctx.node_of(self.ranks[peer]) != self.ctx.node
+        self.stats.record(op, kind, t.numel(), nbytes if op == "send" else 0,
+                          nbytes if remote and op == "send" else 0, self.name)
+
+    def isend(self, t: torch.Tensor, dst: int, kind: str, tag: int = 0):
+        """Send ``t`` to the group's rank ``dst`` (its index in ``ranks``); returns a handle.
+        Counted as ``send`` (the bytes) on this rank and ``recv`` (elements only) on the peer."""
+        self._account_p2p("send", kind, t, dst)
+        LOG.record(self.name, (self.ctx.rank, self.ranks[dst]), "send", t)
+        return _watch(lambda: dist.isend(t, group=self.group, group_dst=dst, tag=tag))
+
+    def irecv(self, t: torch.Tensor, src: int, kind: str, tag: int = 0):
+        """Receive into ``t`` from the group's rank ``src``; returns a handle."""
+        self._account_p2p("recv", kind, t, src)
+        LOG.record(self.name, (self.ranks[src], self.ctx.rank), "send", t)
+        return _watch(lambda: dist.irecv(t, group=self.group, group_src=src, tag=tag))
+
+    def send(self, t: torch.Tensor, dst: int, kind: str, tag: int = 0) -> None:
+        self.isend(t, dst, kind, tag).wait()
+
+    def recv(self, t: torch.Tensor, src: int, kind: str, tag: int = 0) -> None:
+        self.irecv(t, src, kind, tag).wait()
+
+
+def _watch(start) -> object:
+    """Run ``start()`` (a collective); a failure (a timeout) dumps the forensics records.
+    An asynchronous handle is wrapped so that a failure at ``wait()`` dumps them too."""
+    try:
+        work = start()
+    except Exception as e:
+        on_failure(e)
+        raise
+    return Done() if work is None else _Watched(work)
+
+
+class _Watched:
+    """A collective's handle whose failing ``wait()`` dumps the forensics records."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def wait(self, *args) -> bool:
+        try:
+            self._work.wait(*args)
+        except Exception as e:
+            on_failure(e)
+            raise
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
 
 
 class Done:

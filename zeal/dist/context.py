@@ -33,17 +33,21 @@ class DistContext:
 
 
 def init_distributed(
-    backend: str | None = None, local_world_size: int | None = None, timeout_s: float = 600.0
+    backend: str | None = None, local_world_size: int | None = None, timeout_s: float | None = None
 ) -> DistContext:
     """Join the job described by torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR ...).
 
     With no such variables and no initialised process group, returns a world-size-1
-    context. The backend is NCCL when CUDA is available, gloo otherwise.
+    context. The backend is NCCL when CUDA is available, gloo otherwise. A collective
+    waits at most ``timeout_s`` (``ZEAL_COMM_TIMEOUT_S`` overrides it; default 600 s),
+    then fails and leaves its hang-forensics records (:mod:`zeal.dist.forensics`).
     """
     cuda = torch.cuda.is_available()
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = backend or ("nccl" if cuda else "gloo")
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        from zeal.dist.forensics import comm_timeout_s
+
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=comm_timeout_s(timeout_s)))
         # We started it, so we shut it down: a process that exits with the group's worker
         # threads still running can abort in C++ ("terminate called without an active exception").
         atexit.register(_shutdown)

@@ -38,6 +38,8 @@ from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
 from zeal.parallel.norm import TPGradNorm
 from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
+from zeal.pipe.apply import apply_pipeline
+from zeal.pipe.engine import PipelineEngine
 from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.engine import EngineParts, TrainEngine
@@ -88,6 +90,7 @@ def initialize(
         _, micro, accum = cfg.resolve_batch(mesh.dp_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    stage = apply_pipeline(model, cfg, mesh, accum)  # this rank's pipeline stage (None without one)
     init = init_fn or default_init_fn(model)
     client_groups = _client_groups(model_parameters) if optimizer is None and model_parameters is not None else None
     groups, group_of = _param_groups(model, optimizer if client_groups is None else client_groups)
@@ -119,9 +122,8 @@ def initialize(
                                              collate_fn=collate_fn)
     mesh.stats.step.clear()
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
-                        precision.scaler, scheduler, loader, precision.dtype, micro, accum)
-    engine = TrainEngine(parts)
-    engine.tensor_parallel = tp
+                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp)
+    engine = TrainEngine(parts) if stage is None else PipelineEngine(parts, stage, cfg.pipeline_parallel.schedule)
     for hook in zero.hooks:
         engine.register_step_hook(hook)
     return engine
@@ -131,7 +133,7 @@ def _mesh(cfg: Config) -> Mesh:
     """Join the job (torchrun's environment) and build every group once. ZeRO++'s node
     groups are built only when a ZeRO++ option is on."""
     try:
-        ctx = init_distributed(cfg.dist_backend, cfg.local_world_size)
+        ctx = init_distributed(cfg.dist_backend, cfg.local_world_size, cfg.comm_timeout_s)
     except ValueError as e:  # a local_world_size that does not divide the world
         raise ConfigError(f"config key 'local_world_size': {e}") from None
     if ctx.device.type == "cpu" and ctx.world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -139,7 +141,8 @@ def _mesh(cfg: Config) -> Mesh:
     zc = cfg.zero_optimization
     zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
     try:
-        mesh = build_mesh(ctx, tp=max(cfg.tensor_parallel.autotp_size, 1), hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
+        mesh = build_mesh(ctx, tp=max(cfg.tensor_parallel.autotp_size, 1), pp=cfg.pipeline_parallel.size,
+                          hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if resolve_stage(zc.stage).partitions_params or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):

@@ -63,6 +63,7 @@ class EngineParts:
     compute_dtype: torch.dtype
     micro_batch: int
     grad_accum: int
+    tensor_parallel: Any = None  # zeal.parallel.TensorParallel, or None
 
 
 class TrainEngine:
@@ -74,6 +75,7 @@ class TrainEngine:
 
     def __init__(self, parts: EngineParts) -> None:
         self._p = parts
+        self.tensor_parallel = parts.tensor_parallel
         self.module = parts.module
         self.config = parts.config
         self.lr_scheduler = parts.lr_scheduler

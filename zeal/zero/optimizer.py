@@ -30,13 +30,15 @@ from zeal.zero.units import FlatUnit
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
-                       clip: float, tp_norm: Any = None) -> tuple[bool, float]:
+                       clip: float, tp_norm: Any = None, across: Comm | None = None) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
     Stage 0 holds the whole mean gradient on every rank, so its norm needs no
     communication; stages 1–3 sum squared shard norms over ranks. Under tensor
     parallelism ``tp_norm`` (a :class:`~zeal.parallel.norm.TPGradNorm`) gives the local
-    squared norm with split parameters summed over tp, and spreads overflows over tp."""
+    squared norm with split parameters summed over tp, and spreads overflows over tp.
+    ``across`` (the pipeline stages, each holding other parameters) sums the flag and the
+    norm over it too."""
     if scaler is not None:
         inv = 1.0 / scaler.scale
         for g in grads:
@@ -45,6 +47,8 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
         bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
         if tp_norm is not None:
             bad = tp_norm.any(bad)
+        if across is not None:
+            bad = across.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
         scaler.update(bad)
         if bad:
             return False, float("inf")
@@ -55,6 +59,8 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
         sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
     if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
+    if across is not None:
+        sq = across.all_reduce_scalar(sq, "sum")
     norm = math.sqrt(sq)
     if clip > 0:
         coef = clip / (norm + 1e-6)
@@ -89,6 +95,7 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self.tp_norm: Any = None  # set under tensor parallelism (zeal.parallel.norm.TPGradNorm)
+        self.across: Comm | None = None  # pipeline stages: see unscale_check_clip
 
     def bind(self, groups: list[dict]) -> None:
         """Point the inner optimizer's param groups at the masters (group by unit.group)."""
@@ -106,7 +113,7 @@ class ZeroOptimizer:
             m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
-                                                         self.tp_norm)
+                                                         self.tp_norm, self.across)
         if not ok:
             self.skipped_steps += 1
             self._drop_grads()

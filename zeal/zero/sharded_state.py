@@ -265,11 +265,15 @@ def _optimizer_views(opt: Any, t: _Target) -> tuple[dict[str, torch.Tensor], dic
 
 # -- the API --------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def sharded_state(engine: Any) -> Iterator[ShardedState]:
+def sharded_state(engine: Any, local: bool = False) -> Iterator[ShardedState]:
     """``with sharded_state(engine) as st:`` — this rank's owned boxes of every parameter,
     as views of the live masters and optimizer state (no copy; for the disk tier, the
     state is read into memory for the block). Do not write into them; clone what must
-    outlive the block or the next optimizer step. Communicates nothing."""
+    outlive the block or the next optimizer step. Communicates nothing.
+
+    With pipeline stages, ``st.params`` describes the whole model (the engine's
+    ``global_params``; ``local=True``: this stage's only) and ``st.rank`` / ``st.world_size``
+    are the global ones (every rank owns its stage's boxes)."""
     parts = _parts(engine)
     with _resident(parts, writeback=False):
         opt = parts.zopt.optimizer
@@ -277,7 +281,9 @@ def sharded_state(engine: Any) -> Iterator[ShardedState]:
         for t in _targets(parts, owned=True):
             moments, scalars = _optimizer_views(opt, t)
             shards.append(ParamShard(t.info, t.box, t.values, moments, scalars))
-        yield ShardedState(parts.agree.ctx.rank, parts.agree.size, _infos(parts), shards, parts.zopt.skipped_steps,
+        whole = None if local else getattr(engine, "global_params", None)
+        yield ShardedState(parts.agree.ctx.rank, parts.agree.size, whole or _infos(parts), shards,
+                           parts.zopt.skipped_steps,
                            parts.scaler.state_dict() if parts.scaler is not None else None)
 
 

@@ -75,7 +75,7 @@ class SwappedZeroOptimizer:
     def step(self) -> bool:
         grads = [self.reducer.reduced_grad(u) for u in self.units]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
-                                                         self.tp_norm)
+                                                         self.tp_norm, getattr(self, "across", None))
         if not ok:
             self.skipped_steps += 1
             return False
