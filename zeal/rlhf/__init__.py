@@ -10,11 +10,11 @@ from __future__ import annotations
 _LAZY = {
     "HybridEngine": "zeal.rlhf.hybrid",
     "RLHFConfig": "zeal.rlhf.config",
-    "grpo": "zeal.rlhf.grpo",
-    "dpo": "zeal.rlhf.dpo",
-    "ppo": "zeal.rlhf.ppo",
-    "sft": "zeal.rlhf.sft",
-    "reward_model": "zeal.rlhf.rm",
+    "grpo": "zeal.rlhf.grpo_trainer",
+    "dpo": "zeal.rlhf.dpo_trainer",
+    "ppo": "zeal.rlhf.ppo_trainer",
+    "sft": "zeal.rlhf.sft_trainer",
+    "reward_model": "zeal.rlhf.rm_trainer",
 }
 
 __all__ = sorted(_LAZY)
