@@ -104,7 +104,7 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     losses, kls, gap = [], [], 0.0
-    for _ in range(rc.ppo_epochs):
+    for epoch in range(rc.ppo_epochs):
         chunks = [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
         if len(chunks) % gas:
             raise ValueError(f"grpo: {n} rollouts make {len(chunks)} micro-batches of {mb}, not a multiple of "
@@ -112,7 +112,8 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
         for s in chunks:
             lp = policy_logprobs(engine, b.ids[s])
             m = b.mask[s]
-            gap = max(gap, float(((lp.detach() - b.logprobs[s]).abs() * m).max()))
+            if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
+                gap = max(gap, float(((lp.detach() - b.logprobs[s]).abs() * m).max()))
             r_lp = ref_lp[s] if ref_lp is not None else None
             loss = fm.grpo_loss(lp, b.logprobs[s], r_lp, adv[s], m, rc.clip, rc.clip_high, rc.beta, rc.loss_type)
             engine.backward(loss)

@@ -95,10 +95,14 @@ class HybridEngine:
             self.sync_weights()
         if params.logprobs is None:
             params = SamplingParams(**{**params.__dict__, "logprobs": 0})
+        plist: SamplingParams | list[SamplingParams] = params
+        if params.seed is not None:  # one seed per prompt (choice i of prompt k: seed + k·n + i)
+            base = params.seed % (1 << 62)
+            plist = [SamplingParams(**{**params.__dict__, "seed": base + k * params.n}) for k in range(len(prompts))]
         t0 = time.perf_counter()
         self.llm.wake_up()
         try:
-            outs = self.llm.generate(prompts, params)
+            outs = self.llm.generate(prompts, plist)
         finally:
             self.llm.sleep()
         self.times.generate += time.perf_counter() - t0
