@@ -11,10 +11,10 @@ _LAZY = {
     "HybridEngine": "zeal.rlhf.hybrid",
     "RLHFConfig": "zeal.rlhf.config",
     "grpo": "zeal.rlhf.grpo_trainer",
-    "dpo": "zeal.rlhf.dpo_trainer",
+    "dpo": "zeal.rlhf.offline_trainers",
     "ppo": "zeal.rlhf.ppo_trainer",
-    "sft": "zeal.rlhf.sft_trainer",
-    "reward_model": "zeal.rlhf.rm_trainer",
+    "sft": "zeal.rlhf.offline_trainers",
+    "reward_model": "zeal.rlhf.offline_trainers",
 }
 
 __all__ = sorted(_LAZY)
