@@ -83,3 +83,17 @@ def test_sft_chat_mask_covers_assistant_turns():
     learned = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=False)
     assert "5" in learned and "8" in learned
     assert "2+3" not in learned and "4+4" not in learned and "user" not in learned
+
+
+def test_config_split_and_hybrid_engine_keys():
+    from zeal.config import ConfigError
+    from zeal.rlhf.config import split_config
+
+    eng, rc = split_config({"zero_optimization": {"stage": 3}, "hybrid_engine": {"enabled": True,
+                            "max_out_tokens": 40, "release_inference_cache": True}, "rlhf": {"beta": 0.0}})
+    assert eng["zero_optimization"] == {"stage": 3} and "hybrid_engine" not in eng
+    assert rc.max_new_tokens == 40 and rc.beta == 0.0
+    with pytest.raises(ConfigError, match="inference_tp_size"):
+        split_config({"hybrid_engine": {"inference_tp_size": 2}})
+    with pytest.raises(ConfigError, match="rlhf.num_generation"):
+        split_config({"rlhf": {"num_generation": 2}})

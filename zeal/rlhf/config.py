@@ -90,5 +90,33 @@ def split_config(config: Any, defaults: dict | None = None) -> tuple[dict, RLHFC
     except ValidationError as e:
         err = e.errors()[0]
         raise ConfigError(f"rlhf.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    _hybrid_section(raw.pop("hybrid_engine", None), rc)
     engine = {**DEFAULT_ENGINE, **raw}
     return engine, rc
+
+
+# DeepSpeed's hybrid_engine keys: what an RLHF job does with each (it always generates with the hybrid engine)
+HYBRID_KEYS = {"enabled", "max_out_tokens", "inference_tp_size", "release_inference_cache", "pin_parameters",
+               "tp_gather_partition_size"}
+
+
+def _hybrid_section(section: Any, rc: RLHFConfig) -> None:
+    """DeepSpeed's ``hybrid_engine`` section in an RLHF job: ``max_out_tokens`` sizes the
+    answers (``max_new_tokens``); the KV cache is always released after generation and
+    ZeRO-3 weights are always gathered one unit at a time, so ``release_inference_cache``,
+    ``pin_parameters`` and ``tp_gather_partition_size`` change nothing; turning the engine
+    off or tensor-parallel generation (``inference_tp_size`` > 1) are refused."""
+    if section is None:
+        return
+    if not isinstance(section, dict):
+        raise ConfigError("hybrid_engine must be an object")
+    unknown = sorted(set(section) - HYBRID_KEYS)
+    if unknown:
+        raise ConfigError(f"hybrid_engine.{unknown[0]}: unknown key (known: {', '.join(sorted(HYBRID_KEYS))})")
+    if section.get("enabled", True) is False:
+        raise ConfigError("hybrid_engine.enabled: false is not supported: zeal's RLHF jobs always generate "
+                          "with the hybrid engine")
+    if int(section.get("inference_tp_size", 1)) != 1:
+        raise ConfigError("hybrid_engine.inference_tp_size: tensor-parallel generation is not supported (use 1)")
+    if "max_out_tokens" in section:
+        rc.max_new_tokens = int(section["max_out_tokens"])
