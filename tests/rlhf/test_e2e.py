@@ -66,3 +66,13 @@ def test_ppo_reward_rises(tmp_path):
     assert last > first + 0.05, (first, last)
     assert all(math.isfinite(r["value_loss"]) for r in res.metrics)
     assert (tmp_path / "actor_ema.safetensors").exists()
+    assert (tmp_path / "checkpoints" / "critic" / "latest").exists()
+    # resuming: actor and critic continue from their checkpoints (step 17 only)
+    cfg["rlhf"]["steps"] = 17
+    res2 = ppo(tiny(), fraction_of_target, PROMPTS, cfg, out=str(tmp_path))
+    assert [r["step"] for r in res2.metrics] == [17]
+    c1 = res.extra["critic"].module_state_dict()
+    c2 = res2.extra["critic"].module_state_dict()
+    # one Adam step (lr 1e-2) from the saved critic, not from a fresh zero-initialised head
+    step = (c2["v_head.weight"] - c1["v_head.weight"]).abs().max().item()
+    assert step <= 0.0105 < c1["v_head.weight"].abs().max().item()

@@ -133,11 +133,12 @@ class RunLog:
     def has_checkpoint(self) -> bool:
         return self.ckpt_dir is not None and (self.ckpt_dir / "latest").exists()
 
-    def resume(self, engine) -> int:
-        """The step to start at: 0, or the one after the last checkpoint when resuming."""
+    def resume(self, engine, sub: str | None = None) -> int:
+        """The step to start at: 0, or the one after the last checkpoint when resuming
+        (``sub``: a second engine's checkpoints, in that sub-folder)."""
         if not (self.rc.resume and self.has_checkpoint()):
             return 0
-        client = engine.load_checkpoint(str(self.ckpt_dir)) or {}
+        client = engine.load_checkpoint(str(self.ckpt_dir / sub if sub else self.ckpt_dir)) or {}
         step = int(client.get("rlhf_step", 0))
         log.info("%s: resumed from %s at step %d", self.job, self.ckpt_dir, step)
         return step
@@ -154,13 +155,15 @@ class RunLog:
             print(f"[{self.job}] step {step}/{self.rc.steps} {shown}", flush=True)
         return rec
 
-    def checkpoint(self, engine, step: int, final: bool = False) -> None:
-        """Every rank calls it; saves at ``save_every`` and at the end."""
+    def checkpoint(self, engine, step: int, final: bool = False, sub: str | None = None) -> None:
+        """Every rank calls it; saves at ``save_every`` and at the end (``sub``: a second
+        engine's checkpoints, saved before the main one, whose ``latest`` marks a resumable run)."""
         if self.ckpt_dir is None:
             return
         every = self.rc.save_every
         if final or (every and step % every == 0):
-            engine.save_checkpoint(str(self.ckpt_dir), tag=f"step{step}", client_state={"rlhf_step": step})
+            where = self.ckpt_dir / sub if sub else self.ckpt_dir
+            engine.save_checkpoint(str(where), tag=f"step{step}", client_state={"rlhf_step": step})
 
     def close(self) -> None:
         if self.sink is not None:

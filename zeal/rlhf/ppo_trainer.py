@@ -69,6 +69,8 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     ema = EMA(actor, rc.ema) if rc.ema is not None else None
     run = RunLog(out, actor.rank, "ppo", rc)
     start = run.resume(actor)
+    if start:
+        run.resume(critic_engine, sub="critic")
     gen.manual_seed(rc.seed * 1000003 + actor.rank)
     for _ in range(start):
         torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen)
@@ -93,6 +95,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         times = hybrid.take_times()
         run.log(step, reward=scores.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
                 time_sync_s=times.sync, **stats)
+        run.checkpoint(critic_engine, step, final=step == rc.steps, sub="critic")
         run.checkpoint(actor, step, final=step == rc.steps)
     if ema is not None and run.enabled:
         from safetensors.torch import save_file
