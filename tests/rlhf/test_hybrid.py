@@ -97,7 +97,15 @@ def _stage3(rank, world):
     reference.load_state_dict(engine.module_state_dict())
     worst = _check(engine.eval(), reference.eval())
     engine.close()
-    return worst
+    # a short GRPO run at stage 3: every rollout syncs the sharded weights unit by unit
+    from tests.rlhf.test_e2e import PROMPTS, fraction_of_target
+    from zeal.rlhf import grpo
+
+    res = grpo(tiny_llama(), fraction_of_target, PROMPTS, {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "rlhf": {"steps": 2, "batch_size": 2, "num_generations": 2, "max_new_tokens": 4}})
+    res.engine.close()
+    return max([worst] + [r["logprob_diff"] for r in res.metrics])
 
 
 @pytest.mark.timeout(180)
