@@ -62,7 +62,7 @@ class RLHFConfig(BaseModel):
     log_every: int = Field(1, ge=1, description="Console line every this many steps.")
     save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     resume: bool = Field(True, description="Continue from <out>/checkpoints when one exists.")
-    kv_cache_bytes: int = Field(64 << 20, ge=1 << 16, description="Hybrid engine: KV cache size while generating.")
+    kv_cache_bytes: int = Field(256 << 20, ge=1 << 16, description="Hybrid engine: KV cache size while generating.")
 
 
 def split_config(config: Any, defaults: dict | None = None) -> tuple[dict, RLHFConfig]:
