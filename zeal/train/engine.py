@@ -296,6 +296,17 @@ class TrainEngine:
             with self._p.coordinator.gathered():
                 yield
 
+    def iter_gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full parameter)`` of the whole model, every rank together; at stage 3
+        one unit is gathered at a time (released once the caller moves past it), so a
+        weight sync never holds the whole model twice. Values are valid only until the
+        next item is asked for."""
+        if self._p.coordinator is None:
+            yield from self.module.named_parameters()
+            return
+        for named in self._p.coordinator.gathered_one_by_one():
+            yield from named
+
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state (parameters in fp32 from the masters where they exist,
         plus buffers), on CPU, identical on every rank."""

@@ -91,10 +91,12 @@ class MetricsSink:
     """Appends each record to ``metrics.jsonl`` and ``metrics.csv`` in the run folder,
     and to the trackers ``report_to`` names (None: TensorBoard in ``<run>/tb`` when the
     ``tensorboard`` package is installed; see :func:`~zeal.train.reporters.open_reporters`).
-    A record is a dict with at least ``step``, ``kind`` ("train"/"eval") and ``loss``."""
+    A record is a dict with at least ``step``, ``kind`` ("train"/"eval") and ``loss``;
+    ``columns`` are the CSV's (other keys go to the JSONL only)."""
 
     def __init__(self, run_dir: str | Path, *, enabled: bool = True, append: bool = False,
-                 report_to: list[str] | None = None, run_config: dict[str, Any] | None = None) -> None:
+                 report_to: list[str] | None = None, run_config: dict[str, Any] | None = None,
+                 columns: tuple[str, ...] = CSV_COLUMNS) -> None:
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
         if not enabled:
@@ -106,7 +108,7 @@ class MetricsSink:
         new_csv = not (append and csv_path.exists())
         self._jsonl = open(run / "metrics.jsonl", mode)  # noqa: SIM115 - closed in close()
         self._csv_file = open(csv_path, mode, newline="")  # noqa: SIM115
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=columns, extrasaction="ignore")
         if new_csv:
             self._csv.writeheader()
         from zeal.train.reporters import open_reporters

@@ -372,6 +372,20 @@ class ParamCoordinator:
                 self._ctx_holds[u.index] -= 1
                 self._release(u)
 
+    def gathered_one_by_one(self) -> Iterator[list[tuple[str, nn.Parameter]]]:
+        """The units' full ``(name, parameter)`` lists, one unit gathered at a time (the
+        next one's gather overlapping the caller's use); each is released after use."""
+        for i, u in enumerate(self.units):
+            self._gather_now(u)
+            if i + 1 < len(self.units):
+                self._start_gather(self.units[i + 1])
+            self._ctx_holds[u.index] += 1
+            try:
+                yield list(zip(u.names, u.params))
+            finally:
+                self._ctx_holds[u.index] -= 1
+                self._release(u)
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -1,0 +1,145 @@
+"""`zeal rlhf sft|rm|ppo|dpo|grpo`: DeepSpeed-Chat's three steps (SFT → reward model → PPO),
+DPO and GRPO, on a single process.
+
+With no arguments each job runs on the embedded SmolLM2-135M-Instruct and the built-in
+offline task (short arithmetic: a programmatic reward for PPO/GRPO, right-before-wrong
+preference pairs for RM/DPO, right answers for SFT), with no download. ``--data`` is a
+JSONL file: ``messages`` rows (SFT), ``prompt``/``chosen``/``rejected`` (RM, DPO),
+``prompt`` rows (PPO, GRPO; an ``answer`` key is checked by the arithmetic reward, or
+``--reward module:function`` names your own). ``--config`` is a DeepSpeed JSON for the
+engine with an ``rlhf`` section (see ``zeal.rlhf.RLHFConfig``). The run folder gets
+``metrics.csv``/``metrics.jsonl``, ``reward_kl.png`` (with matplotlib), ``checkpoints/``
+(resumed when present) and the trained model as a Hugging Face folder in ``model/``
+(``value_model.safetensors`` for RM), so that steps chain: ``zeal rlhf sft``, ``zeal rlhf rm``,
+then ``zeal rlhf ppo --model runs/rlhf-sft/model --reward-model runs/rlhf-rm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+from pathlib import Path
+
+JOBS = ("sft", "rm", "ppo", "dpo", "grpo")
+DEFAULT_STEPS = {"sft": 20, "rm": 20, "dpo": 20, "ppo": 10, "grpo": 10}
+KEYS = {"sft": ("messages",), "rm": ("prompt", "chosen", "rejected"), "dpo": ("prompt", "chosen", "rejected"),
+        "ppo": ("prompt",), "grpo": ("prompt",)}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``zeal rlhf``."""
+    p = subparsers.add_parser("rlhf", help="SFT, reward model, PPO, DPO and GRPO with the hybrid engine",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              allow_abbrev=False)
+    p.add_argument("job", choices=JOBS, help="which step to run")
+    p.add_argument("--model", default=None, help="Hugging Face folder or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default=None, help="JSONL data (default: the built-in arithmetic task)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps / rollouts (default: a short run)")
+    p.add_argument("--out", default=None, help="run folder (default: runs/rlhf-<job>)")
+    p.add_argument("--config", default=None, help="DeepSpeed JSON with an 'rlhf' section")
+    p.add_argument("--reward", default=None, metavar="MODULE:FUNCTION",
+                   help="PPO/GRPO reward function fn(prompts, completions, **kw) (default: the arithmetic check)")
+    p.add_argument("--reward-model", default=None, metavar="DIR",
+                   help="PPO: a 'zeal rlhf rm' run folder whose reward model scores the answers")
+    return p
+
+
+def _reward_fn(spec: str | None, rows: list[dict]):
+    from zeal.rlhf.tasks import arithmetic_reward
+
+    if spec:
+        mod, _, fn = spec.partition(":")
+        if not fn:
+            raise ValueError(f"--reward {spec!r}: expected MODULE:FUNCTION")
+        return getattr(importlib.import_module(mod), fn)
+    answers = {r["prompt"]: r["answer"] for r in rows if "answer" in r and isinstance(r["prompt"], str)}
+
+    def reward(prompts, completions, **kw):
+        return arithmetic_reward([{"prompt": p, "answer": answers[p]} if p in answers else p for p in prompts],
+                                 completions, **kw)
+
+    return reward
+
+
+def _load_reward_model(run_dir: str, policy_path: str | None):
+    """The ValueModel of a ``zeal rlhf rm`` run (its base architecture from ``model/``)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from zeal.inference.llm import load_model_and_tokenizer
+    from zeal.rlhf.value import ValueModel
+
+    d = Path(run_dir)
+    weights = d / "value_model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"--reward-model {d}: no value_model.safetensors (a 'zeal rlhf rm' run folder)")
+    meta = d / "reward_model.json"
+    base = json.loads(meta.read_text()).get("base") if meta.is_file() else policy_path
+    lm, _, _ = load_model_and_tokenizer(base)
+    vm = ValueModel(lm)
+    missing, unexpected = vm.load_state_dict(load_file(str(weights)), strict=False)
+    if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+        raise ValueError(f"--reward-model {d}: weights do not fit the model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    return vm.eval()
+
+
+def _export(result, out: Path, model_path: str | None, job: str) -> None:
+    """The trained weights as a Hugging Face folder (``model/``), with the tokenizer files."""
+    import json
+
+    from zeal.inference.llm import resolve_model_path
+
+    engine = result.engine
+    if job == "rm":  # the scalar head and its trunk; the architecture is the base model's
+        with engine.gathered_parameters():
+            if engine.rank == 0:
+                result.extra["value_model"].save(out / "value_model.safetensors")
+                (out / "reward_model.json").write_text(json.dumps({"base": model_path}))
+        return
+    with engine.gathered_parameters():
+        if engine.rank == 0 and hasattr(engine.module, "save_hf_folder"):
+            engine.module.save_hf_folder(out / "model")
+    if engine.rank == 0 and (out / "model").is_dir():
+        src = resolve_model_path(model_path)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if (src / name).exists():
+                shutil.copy(src / name, out / "model" / name)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one RLHF job and print where its results are."""
+    import zeal.rlhf as rl
+    from zeal.rlhf.config import split_config
+    from zeal.rlhf.data import read_jsonl
+    from zeal.rlhf.tasks import arithmetic_rows
+
+    job = args.job
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    engine_cfg, rc = split_config(args.config, {"steps": args.steps or DEFAULT_STEPS[job]})
+    if args.steps is not None:
+        rc.steps = args.steps
+    rows = read_jsonl(args.data, KEYS[job]) if args.data else arithmetic_rows(64, rc.seed)
+    out = Path(args.out or f"runs/rlhf-{job}")
+    config = {**engine_cfg, "rlhf": rc.model_dump()}
+    model = args.model
+    if job == "sft":
+        res = rl.sft(model, rows, config, out=str(out))
+    elif job == "rm":
+        res = rl.reward_model(model, rows, config, out=str(out))
+    elif job == "dpo":
+        res = rl.dpo(model, rows, config, out=str(out))
+    elif job == "grpo":
+        res = rl.grpo(model, _reward_fn(args.reward, rows), [r["prompt"] for r in rows], config, out=str(out))
+    else:
+        reward = _load_reward_model(args.reward_model, model) if args.reward_model else _reward_fn(args.reward, rows)
+        res = rl.ppo(model, reward, [r["prompt"] for r in rows], config, out=str(out))
+    _export(res, out, model, job)
+    last = res.metrics[-1] if res.metrics else {}
+    shown = ", ".join(f"{k} {last[k]:.4g}" for k in ("loss", "reward", "kl", "accuracy") if last.get(k) is not None)
+    print(f"zeal rlhf {job}: {len(res.metrics)} step(s) in {out} ({shown}); metrics.csv, checkpoints/, "
+          f"{'value_model.safetensors' if job == 'rm' else 'model/'}")
+    return 0

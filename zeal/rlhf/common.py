@@ -1,0 +1,200 @@
+"""What every RLHF job shares: the policy model and tokenizer, the engine, a frozen
+reference copy, the run folder (metrics.csv/jsonl, a PNG of reward and KL,
+checkpoints that resume)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeal.inference.tokenizer import Tokenizer
+from zeal.rlhf.config import RLHFConfig
+from zeal.train.metrics import MetricsSink, read_metrics
+
+log = logging.getLogger("zeal.rlhf")
+
+METRIC_COLUMNS = ("step", "kind", "loss", "reward", "kl", "response_length", "value_loss", "accuracy",
+                  "logprob_diff", "time_generate_s", "time_train_s", "time_sync_s", "elapsed_s")
+
+
+@dataclass
+class Policy:
+    """A zeal model with its tokenizer (None: token ids only) and end-of-sequence ids."""
+
+    model: nn.Module
+    tokenizer: Tokenizer | None
+    eos_ids: list[int]
+
+    @property
+    def pad_id(self) -> int:
+        return self.eos_ids[0] if self.eos_ids else 0
+
+
+def load_policy(model: Any, tokenizer: Any = None, eos_token_ids: list[int] | None = None) -> Policy:
+    """A module as is, or a Hugging Face folder / ``.gguf`` / None (the embedded SmolLM2-135M-Instruct)
+    loaded in fp32 (its tokenizer and end-of-sequence ids come with it)."""
+    from zeal.inference.llm import load_model_and_tokenizer, load_tokenizer
+
+    if isinstance(model, nn.Module):
+        tok, eos = None, []
+    else:
+        model, tok, eos = load_model_and_tokenizer(model)
+    if tokenizer is not None:
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    eos = list(eos) + [e for e in (eos_token_ids or []) if e not in eos]
+    if tok is not None:
+        eos += [e for e in tok.eos_token_ids if e not in eos]
+    return Policy(model, tok, eos)
+
+
+def encode_prompt(prompt: Any, tok: Tokenizer | None, rc: RLHFConfig) -> list[int]:
+    """Token ids of a prompt (text through the chat template when ``rc.chat``, or ids), cut
+    to its last ``max_prompt_len`` tokens."""
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ValueError("text prompts need a tokenizer (the model has none): give token ids")
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if rc.chat else tok.encode(prompt)
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        if tok is None:
+            raise ValueError("chat prompts need a tokenizer")
+        ids = tok.encode_chat(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("a prompt is empty")
+    return ids[-rc.max_prompt_len:]
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen, eval-mode copy (the reference model); take it before ``zeal.initialize``."""
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Dropout off (old and new log-probs must agree at ratio 1)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+
+
+def build_engine(model: nn.Module, engine_cfg: dict, micro_batch: int, lr: float | None = None):
+    """``zeal.initialize`` over ``model`` with the job's batch (one micro-batch per step unless
+    the config says otherwise)."""
+    import zeal
+
+    cfg = copy.deepcopy(engine_cfg)
+    cfg.setdefault("train_micro_batch_size_per_gpu", micro_batch)
+    cfg.pop("train_batch_size", None)
+    if lr is not None:
+        cfg.setdefault("optimizer", {}).setdefault("params", {})["lr"] = lr
+    return zeal.initialize(model, cfg)
+
+
+@dataclass
+class RunResult:
+    """What a job returns: the trained engine(s), the metrics records and the run folder."""
+
+    engine: Any
+    metrics: list[dict] = field(default_factory=list)
+    out: Path | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class RunLog:
+    """The run folder of a job (rank 0 writes): metrics, a reward/KL plot, checkpoints."""
+
+    def __init__(self, out: str | os.PathLike | None, rank: int, job: str, rc: RLHFConfig) -> None:
+        self.out = Path(out) if out is not None else None
+        self.enabled = rank == 0 and self.out is not None
+        self.job, self.rc = job, rc
+        self.t0 = time.perf_counter()
+        self.records: list[dict] = []
+        self.sink = None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.enabled:
+                append = (self.out / "metrics.jsonl").exists() and self.has_checkpoint() and rc.resume
+                self.sink = MetricsSink(self.out, enabled=True, append=append, report_to=[], columns=METRIC_COLUMNS)
+
+    @property
+    def ckpt_dir(self) -> Path | None:
+        return self.out / "checkpoints" if self.out is not None else None
+
+    def has_checkpoint(self) -> bool:
+        return self.ckpt_dir is not None and (self.ckpt_dir / "latest").exists()
+
+    def resume(self, engine, sub: str | None = None) -> int:
+        """The step to start at: 0, or the one after the last checkpoint when resuming
+        (``sub``: a second engine's checkpoints, in that sub-folder)."""
+        if not (self.rc.resume and self.has_checkpoint()):
+            return 0
+        client = engine.load_checkpoint(str(self.ckpt_dir / sub if sub else self.ckpt_dir)) or {}
+        step = int(client.get("rlhf_step", 0))
+        log.info("%s: resumed from %s at step %d", self.job, self.ckpt_dir, step)
+        return step
+
+    def log(self, step: int, **values: float) -> dict:
+        rec = {"step": step, "kind": "train", **{k: float(v) for k, v in values.items() if v is not None},
+               "elapsed_s": time.perf_counter() - self.t0}
+        self.records.append(rec)
+        if self.sink is not None:
+            self.sink.log(rec)
+        if self.enabled and (step % self.rc.log_every == 0 or step == self.rc.steps):
+            shown = " ".join(f"{k} {rec[k]:.4g}" for k in ("loss", "reward", "kl", "accuracy", "response_length")
+                             if k in rec)
+            print(f"[{self.job}] step {step}/{self.rc.steps} {shown}", flush=True)
+        return rec
+
+    def checkpoint(self, engine, step: int, final: bool = False, sub: str | None = None) -> None:
+        """Every rank calls it; saves at ``save_every`` and at the end (``sub``: a second
+        engine's checkpoints, saved before the main one, whose ``latest`` marks a resumable run)."""
+        if self.ckpt_dir is None:
+            return
+        every = self.rc.save_every
+        if final or (every and step % every == 0):
+            where = self.ckpt_dir / sub if sub else self.ckpt_dir
+            engine.save_checkpoint(str(where), tag=f"step{step}", client_state={"rlhf_step": step})
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+            plot_reward_kl(self.out / "metrics.jsonl", self.out / "reward_kl.png")
+
+
+def plot_reward_kl(metrics_jsonl: Path, out_png: Path) -> Path | None:
+    """Reward and KL against step (two panels) as a PNG; None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = read_metrics(metrics_jsonl)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5), dpi=100)
+    for ax, key in zip(axes, ("reward", "kl")):
+        pts = [(r["step"], r[key]) for r in recs if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts), linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def set_seed(seed: int) -> torch.Generator:
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)

@@ -1,0 +1,125 @@
+"""GRPO: groups of G sampled answers per prompt, rewards from Python functions, advantages
+normalised within each group, a clipped ratio, and the k3 KL to a frozen reference.
+
+Rollouts come from the hybrid engine (:mod:`zeal.rlhf.hybrid`); the behaviour policy's
+log-probs are the serving engine's, and the training side's of the same tokens are
+compared with them every step (``logprob_diff``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from zeal.inference.sampling_params import SamplingParams
+from zeal.rlhf import formulas as fm
+from zeal.rlhf.batch import pack, policy_logprobs
+from zeal.rlhf.common import (
+    RunLog,
+    RunResult,
+    build_engine,
+    disable_dropout,
+    encode_prompt,
+    frozen_copy,
+    load_policy,
+    set_seed,
+)
+from zeal.rlhf.config import split_config
+from zeal.rlhf.hybrid import HybridEngine, Rollout
+
+RewardFn = Callable[..., Sequence[float]]
+
+
+def score(reward_fn: RewardFn | Sequence[RewardFn], prompts: list[Any], rollouts: list[Rollout]) -> torch.Tensor:
+    """The summed rewards of every rollout: each function is called as
+    ``fn(prompts, completions, completion_ids=...)`` (one entry per rollout) and returns
+    one float per rollout."""
+    fns = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+    ps = [prompts[r.group] for r in rollouts]
+    texts = [r.text for r in rollouts]
+    ids = [r.output_ids for r in rollouts]
+    total = torch.zeros(len(rollouts))
+    for fn in fns:
+        vals = list(fn(ps, texts, completion_ids=ids))
+        if len(vals) != len(rollouts):
+            raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(vals)} values for "
+                             f"{len(rollouts)} completions")
+        total += torch.tensor([float(v) for v in vals])
+    return total
+
+
+def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence[Any], config: Any = None, *,
+         tokenizer: Any = None, out: str | None = None, eos_token_ids: list[int] | None = None) -> RunResult:
+    """Train ``model`` (a zeal ``Llama``/``GPT``, a Hugging Face folder, or None: the embedded
+    SmolLM2-135M-Instruct) with GRPO on ``prompts`` (texts, chat message lists, or token-id
+    lists) against ``reward_fn`` (one function or a list; see :func:`score`). ``config``: a
+    dict / JSON path with DeepSpeed engine keys and an ``rlhf`` section
+    (:class:`~zeal.rlhf.config.RLHFConfig`). Writes metrics and checkpoints under ``out``."""
+    engine_cfg, rc = split_config(config)
+    gen = set_seed(rc.seed)
+    pol = load_policy(model, tokenizer, eos_token_ids)
+    disable_dropout(pol.model)
+    ref = frozen_copy(pol.model) if rc.beta else None
+    prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
+    G = rc.num_generations
+    engine = build_engine(pol.model, engine_cfg, rc.batch_size * G)
+    hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes)
+    run = RunLog(out, engine.rank, "grpo", rc)
+    start = run.resume(engine)
+    gen.manual_seed(rc.seed * 1000003 + engine.rank)
+    for _ in range(start):  # the prompt order continues where it stopped
+        torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen)
+    for step in range(start + 1, rc.steps + 1):
+        pick = torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen).tolist()
+        params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                seed=(rc.seed + 7919 * step + 104729 * engine.rank) % (1 << 62), logprobs=0)
+        rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
+        rewards = score(reward_fn, [prompts[i] for i in pick], rollouts)
+        t0 = time.perf_counter()
+        stats = _train_on(engine, ref, rollouts, rewards, pol.pad_id, rc)
+        t_train = time.perf_counter() - t0
+        times = hybrid.take_times()
+        run.log(step, reward=rewards.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
+                time_sync_s=times.sync, **stats)
+        run.checkpoint(engine, step, final=step == rc.steps)
+    run.close()
+    return RunResult(engine, run.records, run.out, {"hybrid": hybrid})
+
+
+def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int, rc) -> dict:
+    """``ppo_epochs`` passes of the GRPO loss over one rollout batch (in the engine's
+    micro-batches); returns the step's loss, KL, answer length and log-prob gap."""
+    adv = fm.group_advantages(rewards, rc.num_generations, rc.scale_rewards)
+    b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
+             [r.logprobs for r in rollouts])
+    ref_lp = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_lp = policy_logprobs(ref, b.ids)
+    engine.train()
+    n = b.ids.shape[0]
+    mb = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
+    losses, kls, gap = [], [], 0.0
+    for epoch in range(rc.ppo_epochs):
+        chunks = [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
+        if len(chunks) % gas:
+            raise ValueError(f"grpo: {n} rollouts make {len(chunks)} micro-batches of {mb}, not a multiple of "
+                             f"gradient_accumulation_steps {gas}")
+        for s in chunks:
+            lp = policy_logprobs(engine, b.ids[s])
+            m = b.mask[s]
+            if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
+                gap = max(gap, float(((lp.detach() - b.logprobs[s]).abs() * m).max()))
+            r_lp = ref_lp[s] if ref_lp is not None else None
+            loss = fm.grpo_loss(lp, b.logprobs[s], r_lp, adv[s], m, rc.clip, rc.clip_high, rc.beta, rc.loss_type)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            if r_lp is not None:
+                kls.append(fm.masked_mean(fm.k3_kl(lp.detach(), r_lp), m).item())
+    return {"loss": sum(losses) / len(losses), "kl": sum(kls) / len(kls) if kls else 0.0,
+            "response_length": b.response_lengths.mean().item(), "logprob_diff": gap}

@@ -1,0 +1,122 @@
+"""The hybrid engine: the actor trains under ``zeal.initialize`` (any ZeRO stage, offload)
+and generates with zeal's serving engine (continuous batching, paged KV cache, the fused
+kernels) over a second copy of the same architecture, whose weights are refreshed in
+place from the training weights before each rollout.
+
+One rollout: ``sync_weights()`` (at ZeRO-3 one flat unit gathered at a time, copied into
+the serving model and released), ``wake_up()`` (the KV cache comes back), generation,
+``sleep()`` (the KV cache is released while the actor trains). The serving engine
+returns the sampled tokens' log-probabilities (``SamplingParams.logprobs = 0``), which
+:func:`zeal.rlhf.formulas.token_logprobs` reproduces from the training module.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from zeal.inference.llm import LLM
+from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.tokenizer import Tokenizer
+
+
+@dataclass
+class Rollout:
+    """One sampled answer: the prompt's and the answer's token ids, the serving engine's
+    log-probability of each answer token, and why it stopped."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    text: str = ""
+    finish_reason: str | None = None
+    group: int = 0  # the index of its prompt in the batch
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent in each phase since the last :meth:`HybridEngine.take_times`."""
+
+    sync: float = 0.0
+    generate: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def serving_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A fresh model of the same class and config as ``module`` (zeal's ``GPT`` or
+    ``Llama``), to be filled by :meth:`HybridEngine.sync_weights`; eval mode."""
+    cfg = getattr(module, "config", None)
+    if cfg is None or not hasattr(module, "num_kv_heads"):
+        raise TypeError(f"the hybrid engine serves zeal's GPT or Llama models, not {type(module).__name__}")
+    with torch.device(device):
+        model = type(module)(cfg)
+    return model.to(dtype).eval()
+
+
+class HybridEngine:
+    """The actor's :class:`~zeal.train.engine.TrainEngine` and a serving :class:`LLM`
+    over a copy of its architecture (``inference_model``: None builds one from the
+    actor's class and config). Engine knobs (``kv_cache_bytes``, ``max_num_seqs``,
+    ``max_model_len``...) are keyword arguments of :class:`LLM`. The engine sleeps
+    (KV cache released) except inside :meth:`generate`."""
+
+    def __init__(self, engine, tokenizer: Tokenizer | None = None, *, inference_model: nn.Module | None = None,
+                 eos_token_ids: list[int] | None = None, **llm_kwargs) -> None:
+        self.engine = engine
+        module = engine.module
+        dtype = next(module.parameters()).dtype
+        model = inference_model if inference_model is not None else serving_copy(module, dtype, engine.device)
+        self.llm = LLM(model, tokenizer, eos_token_ids=eos_token_ids, **llm_kwargs)
+        self.times = PhaseTimes()
+        self.num_syncs = 0
+        self.sync_weights()
+        self.llm.sleep()
+
+    @torch.no_grad()
+    def sync_weights(self) -> int:
+        """Copy the actor's current weights into the serving model in place (every rank
+        calls it; at ZeRO-3 unit by unit). Returns the number of tensors copied."""
+        t0 = time.perf_counter()
+        was_training = self.engine.module.training
+        n = self.llm.load_weights((name, p.detach()) for name, p in self.engine.iter_gathered_parameters())
+        self.engine.module.train(was_training)
+        self.num_syncs += 1
+        self.times.sync += time.perf_counter() - t0
+        return n
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, sync: bool = True) -> list[Rollout]:
+        """Sample ``params.n`` answers per prompt (token ids) with the current actor
+        weights; log-probabilities are always returned. Rollouts come prompt by prompt,
+        ``n`` consecutive ones per prompt."""
+        if sync:
+            self.sync_weights()
+        if params.logprobs is None:
+            params = SamplingParams(**{**params.__dict__, "logprobs": 0})
+        plist: SamplingParams | list[SamplingParams] = params
+        if params.seed is not None:  # one seed per prompt (choice i of prompt k: seed + k·n + i)
+            base = params.seed % (1 << 62)
+            plist = [SamplingParams(**{**params.__dict__, "seed": base + k * params.n}) for k in range(len(prompts))]
+        t0 = time.perf_counter()
+        self.llm.wake_up()
+        try:
+            outs = self.llm.generate(prompts, plist)
+        finally:
+            self.llm.sleep()
+        self.times.generate += time.perf_counter() - t0
+        rollouts = []
+        for g, out in enumerate(outs):
+            if out.error:
+                raise RuntimeError(f"generation failed: {out.error}")
+            for c in out.outputs:
+                lps = [d["logprob"] for d in (c.logprobs or [])]
+                rollouts.append(Rollout(list(out.prompt_token_ids), list(c.token_ids), lps, c.text,
+                                        c.finish_reason, g))
+        return rollouts
+
+    def take_times(self) -> PhaseTimes:
+        """The phase times accumulated so far, then reset."""
+        t, self.times = self.times, PhaseTimes()
+        return t

@@ -1,0 +1,146 @@
+"""PPO as DeepSpeed-Chat's step 3: actor (trainable, generating through the hybrid
+engine), critic (trainable value model), frozen reference, and a reward (a frozen
+reward model or a Python function). Per rollout batch: rewards = the score on the last
+answer token minus β·KL per token, GAE with γ and λ, optional advantage whitening, then
+``ppo_epochs`` passes of the clipped actor loss (with an optional unsupervised LM loss
+mixed in, and an EMA of the actor) and the clipped critic loss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from zeal.inference.sampling_params import SamplingParams
+from zeal.rlhf import formulas as fm
+from zeal.rlhf.batch import Packed, pack, policy_logprobs
+from zeal.rlhf.common import (
+    RunLog,
+    RunResult,
+    build_engine,
+    disable_dropout,
+    encode_prompt,
+    frozen_copy,
+    load_policy,
+    set_seed,
+)
+from zeal.rlhf.config import split_config
+from zeal.rlhf.grpo_trainer import score
+from zeal.rlhf.hybrid import HybridEngine
+from zeal.rlhf.value import ValueModel, end_scores
+
+
+class EMA:
+    """An fp32 moving average of the actor's full weights (gathered unit by unit at stage 3)."""
+
+    def __init__(self, engine, beta: float) -> None:
+        self.beta = beta
+        self.params = {n: p.detach().float().cpu().clone() for n, p in engine.iter_gathered_parameters()}
+
+    def update(self, engine) -> None:
+        for name, p in engine.iter_gathered_parameters():
+            fm.ema_update([self.params[name]], [p.detach().float().cpu()], self.beta)
+
+
+def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts: Sequence[Any], config: Any = None, *,
+        critic: nn.Module | None = None, tokenizer: Any = None, out: str | None = None,
+        unsup_data: Sequence[list[int]] | None = None, eos_token_ids: list[int] | None = None) -> RunResult:
+    """Train ``model`` (as :func:`zeal.rlhf.grpo`) with PPO. ``reward``: a frozen
+    :class:`~zeal.rlhf.value.ValueModel` (its value at the last answer token is the score)
+    or a Python function (as GRPO's reward functions). ``critic``: a ValueModel (default:
+    one over a copy of the reward model, else of the actor). ``unsup_data``: token-id
+    lists for the PPO-ptx loss (weighted by ``rlhf.unsup_coef``)."""
+    engine_cfg, rc = split_config(config)
+    gen = set_seed(rc.seed)
+    pol = load_policy(model, tokenizer, eos_token_ids)
+    disable_dropout(pol.model)
+    ref = frozen_copy(pol.model)
+    if critic is None:
+        critic = ValueModel.from_lm(reward.lm) if isinstance(reward, ValueModel) else ValueModel.from_lm(pol.model)
+    if isinstance(reward, nn.Module):
+        reward = frozen_copy(reward)
+    prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
+    actor = build_engine(pol.model, engine_cfg, rc.batch_size)
+    critic_engine = build_engine(critic, engine_cfg, rc.batch_size, lr=rc.critic_lr)
+    hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes)
+    ema = EMA(actor, rc.ema) if rc.ema is not None else None
+    run = RunLog(out, actor.rank, "ppo", rc)
+    start = run.resume(actor)
+    if start:
+        run.resume(critic_engine, sub="critic")
+    gen.manual_seed(rc.seed * 1000003 + actor.rank)
+    for _ in range(start):
+        torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen)
+    for step in range(start + 1, rc.steps + 1):
+        pick = torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen).tolist()
+        params = SamplingParams(max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                seed=(rc.seed + 7919 * step + 104729 * actor.rank) % (1 << 62), logprobs=0)
+        rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
+        b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pol.pad_id,
+                 [r.logprobs for r in rollouts])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if isinstance(reward, nn.Module):
+                scores = end_scores(reward(b.ids), b.mask)
+            else:
+                scores = score(reward, [prompts[i] for i in pick], rollouts)
+        ptx = None
+        if unsup_data and rc.unsup_coef:
+            ptx = [unsup_data[i] for i in torch.randint(len(unsup_data), (rc.batch_size,), generator=gen).tolist()]
+        stats = ppo_update(actor, critic_engine, ref, b, scores, rc, ptx, pol.pad_id, ema)
+        t_train = time.perf_counter() - t0
+        times = hybrid.take_times()
+        run.log(step, reward=scores.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
+                time_sync_s=times.sync, **stats)
+        run.checkpoint(critic_engine, step, final=step == rc.steps, sub="critic")
+        run.checkpoint(actor, step, final=step == rc.steps)
+    if ema is not None and run.enabled:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in ema.params.items()}, str(run.out / "actor_ema.safetensors"))
+    run.close()
+    return RunResult(actor, run.records, run.out, {"critic": critic_engine, "hybrid": hybrid, "ema": ema})
+
+
+def ppo_update(actor, critic, ref: nn.Module, b: Packed, scores: torch.Tensor, rc, ptx: list[list[int]] | None,
+               pad_id: int, ema: EMA | None) -> dict:
+    """One PPO iteration over a rollout batch; returns the metrics of the step."""
+    m = b.mask
+    with torch.no_grad():
+        ref_lp = policy_logprobs(ref, b.ids)
+        critic.eval()
+        old_values = critic(b.ids)[:, :-1]
+        old_lp = b.logprobs
+        rewards = fm.compute_rewards(old_lp, ref_lp, scores, m, rc.kl_coef, rc.clip_reward)
+        adv, returns = fm.gae(rewards, old_values, m, rc.gamma, rc.lam)
+        if rc.whiten_advantages:
+            adv = fm.whiten(adv, m)
+    actor.train()
+    critic.train()
+    a_losses, v_losses, gap = [], [], 0.0
+    for epoch in range(rc.ppo_epochs):
+        lp = policy_logprobs(actor, b.ids)
+        if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
+            gap = float(((lp.detach() - old_lp).abs() * m).max())
+        loss = fm.actor_loss(lp, old_lp, adv, m, rc.clip)
+        actor.backward(loss)
+        actor.step()
+        a_losses.append(loss.item())
+        if ptx is not None:
+            u = pack([p[:1] for p in ptx], [p[1:] for p in ptx], pad_id)
+            lm = -fm.masked_mean(policy_logprobs(actor, u.ids), u.mask)
+            actor.backward(rc.unsup_coef * lm)
+            actor.step()
+        if ema is not None:
+            ema.update(actor)
+        v = critic(b.ids)[:, :-1]
+        vloss = fm.value_loss(v, old_values, returns, m, rc.clip_value)
+        critic.backward(vloss)
+        critic.step()
+        v_losses.append(vloss.item())
+    return {"loss": sum(a_losses) / len(a_losses), "value_loss": sum(v_losses) / len(v_losses),
+            "kl": fm.masked_mean(old_lp - ref_lp, m).item(), "response_length": b.response_lengths.mean().item(),
+            "logprob_diff": gap}

@@ -1,0 +1,55 @@
+"""The built-in offline task of the default jobs: short arithmetic with a checkable answer.
+
+``"What is 3 + 4? Reply with the number only."`` — the reward is 1 when the first integer
+of the answer is the right one (plus 0.1 when the answer is nothing but that number),
+SFT conversations answer right, and preference pairs put a right answer before a wrong one.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+QUESTION = "What is {a} {op} {b}? Reply with the number only."
+_Q = re.compile(r"What is (-?\d+) ([+\-*]) (-?\d+)\?")
+_INT = re.compile(r"-?\d+")
+
+
+def _solve(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
+    """``n`` rows ``{"prompt", "answer", "messages", "chosen", "rejected"}`` (every job's keys)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        a, b = (int(x) for x in torch.randint(1, 10, (2,), generator=g))
+        op = "+-*"[int(torch.randint(3, (1,), generator=g))]
+        ans = _solve(a, op, b)
+        wrong = ans + int(torch.randint(1, 4, (1,), generator=g)) * (1 if int(torch.randint(2, (1,), generator=g))
+                                                                    else -1)
+        q = QUESTION.format(a=a, op=op, b=b)
+        rows.append({"prompt": q, "answer": ans, "chosen": str(ans), "rejected": str(wrong),
+                     "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(ans)}]})
+    return rows
+
+
+def expected_answer(prompt) -> int | None:
+    """The answer of a built-in question (None for any other prompt)."""
+    text = prompt if isinstance(prompt, str) else prompt.get("prompt", "") if isinstance(prompt, dict) else ""
+    m = _Q.search(text)
+    return _solve(int(m.group(1)), m.group(2), int(m.group(3))) if m else None
+
+
+def arithmetic_reward(prompts, completions, **_) -> list[float]:
+    """1 for a right first integer (+0.1 when the answer is only the number), else 0; a row
+    given as a dict may carry its own ``answer``."""
+    out = []
+    for p, c in zip(prompts, completions):
+        want = p.get("answer") if isinstance(p, dict) and "answer" in p else expected_answer(p)
+        got = _INT.search(c or "")
+        ok = want is not None and got is not None and int(got.group()) == int(want)
+        out.append((1.0 + 0.1 * (c.strip() == got.group())) if ok else 0.0)
+    return out
