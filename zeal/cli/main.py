@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("zeal.cli.launch", "run a script on N processes (and N nodes) through torchrun"),
     "checkpoint": ("zeal.cli.checkpoint", "inspect a checkpoint or export it to a Hugging Face folder"),
     "bench": ("zeal.cli.bench", "measure step time and peak memory per ZeRO stage beside the estimate"),
+    "data": ("zeal.cli.data", "analyze a corpus for curriculum learning (per-sample metric, sorted index)"),
 }
 
 DESCRIPTION = "zeal: ZeRO-family training and serving on PyTorch."

@@ -26,8 +26,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "pipeline": ("pipeline parallelism", ({},)),
     "flops_profiler": ("the FLOPs profiler", ()),
     "compression_training": ("the compression library", ()),
-    "data_efficiency": ("the data-efficiency library", ()),
-    "curriculum_learning": ("curriculum learning", ()),
     "progressive_layer_drop": ("progressive layer dropping", ()),
     "eigenvalue": ("the eigenvalue (Hessian) analysis", ()),
     "quantize_training": ("quantization-aware training (MoQ)", ()),

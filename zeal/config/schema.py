@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zeal.config.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
+
 Auto = Literal["auto"]
 
 
@@ -266,6 +268,10 @@ class Config(Section):
                       description="Seed for data order and meta-device materialisation (0 <= seed < 2**32).")
     dist_backend: Literal["gloo", "nccl"] | None = Field(None, description="None = nccl on CUDA, gloo on CPU.")
     local_world_size: int | None = Field(None, ge=1, description="Ranks per node (default: torchrun's LOCAL_WORLD_SIZE).")
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig,
+                                                  description="Curriculum learning and random-LTD (DeepSpeed keys).")
+    curriculum_learning: LegacyCurriculumConfig | None = Field(
+        None, description="DeepSpeed's legacy sequence-length curriculum (curriculum_type seqlen).")
 
     @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     @classmethod
