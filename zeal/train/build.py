@@ -11,7 +11,8 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    (:mod:`zeal.dist.mesh`); batch arithmetic resolved against the data-parallel size;
 3. ``apply_precision``: the compute dtype, buffers cast to it, the fp16 loss scaler;
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
-5. (to come, in this order: token dropping, compression, tensor parallelism, MoE — each
+5. ``apply_token_drop``: random-LTD on the layers the config names (:mod:`zeal.data.random_ltd`);
+   (to come, in this order: compression, tensor parallelism, MoE — each
    changes the modules before ZeRO flattens their parameters);
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from zeal.config import AutoValues, Config, ConfigError, load_config
+from zeal.data.random_ltd import apply_token_drop
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
@@ -94,7 +96,8 @@ def initialize(
     if precision.dtype == torch.float16 and mesh.device.type == "cpu" and mesh.rank == 0:
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    # (to come: apply_token_drop, apply_compression, apply_tensor_parallel, apply_moe)
+    token_drop = _token_drop(model, cfg)
+    # (to come: apply_compression, apply_tensor_parallel, apply_moe)
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
@@ -114,7 +117,17 @@ def initialize(
     engine = TrainEngine(parts)
     for hook in zero.hooks:
         engine.register_step_hook(hook)
+    engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
+    if token_drop is not None:
+        engine.register_step_hook(token_drop)
     return engine
+
+
+def _token_drop(model: nn.Module, cfg: Config) -> Any:
+    try:
+        return apply_token_drop(model, cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _mesh(cfg: Config) -> Mesh:
