@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from zeal.config import ConfigError, load_config
-from zeal.data.curriculum import (Pacing, pacing_difficulty, seqlen_reshape, seqlen_truncate, token_counts,
-                                  voc_metric)
+from zeal.data.curriculum import (
+    Pacing,
+    pacing_difficulty,
+    seqlen_reshape,
+    seqlen_truncate,
+    token_counts,
+    voc_metric,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
