@@ -109,3 +109,46 @@ def test_exact_resume_from_state_dict():
                            "difficulties": sd["difficulties"]})
     again = [fresh.next_global_batch() for _ in range(8)]
     assert all(np.array_equal(a, b) for a, b in zip(rest, again))
+    replay = _sampler(values, micro=4, total=20)
+    replay.set_position(5 * replay.global_batch)  # the engine's resume: replayed from the seed
+    assert all(np.array_equal(a, replay.next_global_batch()) for a in rest)
+
+
+def test_zeal_data_analyze_cli(tmp_path, monkeypatch, capsys):
+    from zeal.cli.main import main
+
+    monkeypatch.setenv("ZEAL_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"class C{i}:\n    value = {i * i}  # {'x' * (i % 13)}\n" for i in range(300)))
+    outs = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        assert main(["data", "analyze", str(text), "--metric", "voc", "--workers", str(workers), "--out", str(out),
+                     "--seq-len", "16", "--vocab-size", "300"]) == 0
+        outs.append(MetricIndex.load(out, "voc"))
+    printed = capsys.readouterr().out
+    assert "voc over" in printed and "#" in printed and "voc_index_to_sample.npy" in printed
+    assert all(np.array_equal(getattr(outs[0], n), getattr(outs[1], n))
+               for n in ("sample_to_metric", "index_to_sample", "index_to_metric"))
+    assert main(["data", "analyze", str(tmp_path / "missing.txt")]) == 2
+
+
+def test_initialize_training_data_uses_the_curriculum_sampler(tmp_path):
+    import zeal
+    from zeal.models import GPT, GPTConfig
+
+    values = np.arange(40) % 10
+    p = MetricIndex.from_values(values).save(tmp_path, "mymetric")
+    data = torch.utils.data.TensorDataset(torch.arange(40))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "data_efficiency": {"enabled": True, "data_sampling": {"curriculum_learning": {
+               "enabled": True, "curriculum_metrics": {"mymetric": {
+                   "index_to_sample_path": str(p[1]), "index_to_metric_path": str(p[2]), "min_difficulty": 2,
+                   "max_difficulty": 9, "schedule_type": "fixed_linear",
+                   "schedule_config": {"total_curriculum_step": 10, "difficulty_step": 1}}}}}}}
+    engine = zeal.initialize(GPT(GPTConfig(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=1)), cfg,
+                             training_data=data)
+    assert isinstance(engine.dataloader.sampler, CurriculumSampler)
+    (first,) = next(iter(engine.dataloader))
+    assert len(first) == 4 and (values[first.numpy()] <= 2).all()
+    engine.close()

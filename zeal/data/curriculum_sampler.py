@@ -123,6 +123,20 @@ class CurriculumSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples // self.dp_size
 
+    def set_position(self, global_samples: int) -> None:
+        """Resume after ``global_samples`` samples (what the engine does after loading a
+        checkpoint): the generator and difficulties are replayed from the seed to the step
+        that many samples reach, so the next batches are those of the uninterrupted run."""
+        target = int(global_samples) // self.global_batch
+        if target == self.step:
+            return
+        self.generator.manual_seed(self.seed)
+        self.step = 0
+        for m in self.metrics.values():
+            m.pacing.current = m.pacing.min_difficulty
+        for _ in range(target):
+            self.next_global_batch()
+
     def state_dict(self) -> dict:
         """Step, difficulties and the generator's state (a uint8 tensor)."""
         return {"step": self.step, "generator": self.generator.get_state(),
@@ -138,3 +152,28 @@ class CurriculumSampler(torch.utils.data.Sampler[int]):
         for name, d in sd.get("difficulties", {}).items():
             if name in self.metrics:
                 self.metrics[name].pacing.current = int(d)
+
+
+def sampler_from_config(cfg, num_samples: int, micro_batch: int, dp_size: int, dp_rank: int,
+                        grad_accum: int) -> CurriculumSampler | None:
+    """The curriculum sampler of ``initialize(training_data=...)``: the index-based metrics of
+    ``data_efficiency.data_sampling.curriculum_learning`` (each with ``index_to_sample_path`` and
+    ``index_to_metric_path``); None when there are none. Sequence-length metrics are applied to
+    batches by the training loop (as ``zeal train`` does), not by the sampler."""
+    from zeal.config.data_efficiency import SEQLEN_RESHAPE, SEQLEN_TRUNCATE
+    from zeal.data.analyzer import load_sample_metric
+
+    cl = cfg.data_efficiency.curriculum()
+    metrics = {}
+    for name, m in (cl.curriculum_metrics.items() if cl is not None else []):
+        if name in SEQLEN_TRUNCATE + SEQLEN_RESHAPE:
+            continue
+        if not (m.index_to_sample_path and m.index_to_metric_path):
+            raise ValueError(f"curriculum metric {name!r} needs index_to_sample_path and index_to_metric_path "
+                             "(written by 'zeal data analyze')")
+        metrics[name] = IndexedMetric(load_sample_metric(m.index_to_sample_path, m.index_to_metric_path),
+                                      Pacing.from_config(m), m.difficulty_type)
+    if not metrics:
+        return None
+    return CurriculumSampler(metrics, micro_batch, dp_size, dp_rank, grad_accum, cfg.data_efficiency.seed,
+                             num_samples=num_samples)

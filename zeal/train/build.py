@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from zeal.config import AutoValues, Config, ConfigError, load_config
+from zeal.data.curriculum_sampler import sampler_from_config
 from zeal.data.random_ltd import apply_token_drop
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
@@ -107,8 +108,8 @@ def initialize(
     scheduler = _scheduler(cfg, lr_scheduler, zopt.optimizer)
     loader = None
     if training_data is not None:
-        sampler = ResumableDistributedSampler(len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed,
-                                              batch_size=micro)
+        sampler = _curriculum_sampler(cfg, len(training_data), micro, mesh, accum) or ResumableDistributedSampler(
+            len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed, batch_size=micro)
         loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler, drop_last=True,
                                              collate_fn=collate_fn)
     mesh.stats.step.clear()
@@ -121,6 +122,13 @@ def initialize(
     if token_drop is not None:
         engine.register_step_hook(token_drop)
     return engine
+
+
+def _curriculum_sampler(cfg: Config, n: int, micro: int, mesh: Mesh, accum: int) -> Any:
+    try:
+        return sampler_from_config(cfg, n, micro, mesh.dp_size, mesh.dp_rank, accum)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data_efficiency.data_sampling.curriculum_learning: {e}") from None
 
 
 def _token_drop(model: nn.Module, cfg: Config) -> Any:
