@@ -26,6 +26,7 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "pipeline": ("pipeline parallelism", ({},)),
     "flops_profiler": ("the FLOPs profiler", ()),
     "compression_training": ("the compression library", ()),
+    "data_efficiency.data_sampling.dynamic_batching": ("dynamic batching", ()),
     "progressive_layer_drop": ("progressive layer dropping", ()),
     "eigenvalue": ("the eigenvalue (Hessian) analysis", ()),
     "quantize_training": ("quantization-aware training (MoQ)", ()),
