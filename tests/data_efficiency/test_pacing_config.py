@@ -127,3 +127,14 @@ def test_voc_metric_equals_the_formula():
     total = 1 + 2 + 2 + 1 + 1  # the zero count taken as 1
     want = [int(-math.log(1 / total) - 2 * math.log(2 / total)), int(-2 * math.log(2 / total) - math.log(1 / total))]
     assert voc_metric(samples, counts).tolist() == want
+
+
+def test_deepspeed_json_sections_are_honoured_not_refused():
+    from zeal.config.ds_compat import translate
+
+    raw = {"data_efficiency": {"enabled": True, "data_sampling": {"curriculum_learning": {"enabled": False}}},
+           "curriculum_learning": {"enabled": False}}
+    cfg, _ = translate(raw)
+    assert cfg["data_efficiency"]["enabled"] is True and "curriculum_learning" in cfg
+    with pytest.raises(ValueError, match="dynamic batching"):
+        translate({"data_efficiency": {"data_sampling": {"dynamic_batching": {"enabled": True}}}})
