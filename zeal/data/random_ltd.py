@@ -161,7 +161,7 @@ def _gather_extra(v: Any, idx: torch.Tensor, b: int, t: int) -> Any:
         return v
     if v.dim() >= 2 and v.shape[1] == t and v.shape[0] in (1, b):
         return gather_tokens(v.expand(b, *v.shape[1:]), idx)
-    if v.shape[0] == t and v.dim() >= 1 and v.dim() != 1:  # (T, ...): shared by every sample
+    if v.dim() >= 2 and v.shape[0] == t:  # (T, ...): shared by every sample
         return v[idx]
     return v
 
