@@ -89,6 +89,7 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--only", default=None, help="comma-separated variants")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--runs", default=None, help="keep the run folders here (default: a temporary folder)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -97,8 +98,9 @@ def main() -> None:
         todo = {k: v for k, v in todo.items() if k in args.only.split(",") or k == "baseline"}
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
+        runs = Path(args.runs) if args.runs else Path(tmp)
         for name, extra in todo.items():
-            curves[name] = held_out_curve(run_variant(name, extra, args, Path(tmp)))
+            curves[name] = held_out_curve(run_variant(name, extra, args, runs))
     base_final = curves["baseline"][-1][2]
     base_tokens, base_secs = first_reach(curves["baseline"], base_final) or (curves["baseline"][-1][:2])
     rows = []
