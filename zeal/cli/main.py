@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("zeal.cli.checkpoint", "inspect a checkpoint or export it to a Hugging Face folder"),
     "bench": ("zeal.cli.bench", "measure step time and peak memory per ZeRO stage beside the estimate"),
     "rlhf": ("zeal.cli.rlhf", "SFT, reward model, PPO, DPO and GRPO (hybrid engine) on a model"),
+    "data": ("zeal.cli.data", "analyze a corpus for curriculum learning (per-sample metric, sorted index)"),
 }
 
 DESCRIPTION = "zeal: ZeRO-family training and serving on PyTorch."

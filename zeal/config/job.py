@@ -63,6 +63,14 @@ class JobSection(Section):
     hf_model: str | None = Field(None, description="A Hugging Face folder to fine-tune instead of a fresh GPT.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate of the default optimizer.")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps of the default schedule.")
+    lr_warmup_tokens: int | None = Field(None, ge=0, description="Token-based LR: linear warm-up over this many "
+                                         "consumed tokens (Megatron-DeepSpeed's --lr-warmup-tokens).")
+    lr_decay_tokens: int | None = Field(None, ge=1, description="Token-based LR: decay ends after this many consumed "
+                                        "tokens (--lr-decay-tokens); replaces the step schedule.")
+    lr_decay_style: Literal["linear", "cosine", "constant"] = Field("cosine", description="Token-based LR decay.")
+    min_lr: float = Field(0.0, ge=0, description="Token-based LR: the floor after decay.")
+    train_tokens: int | None = Field(None, ge=1, description="Stop once this many tokens are consumed "
+                                     "(--train-tokens; job.steps still caps the run).")
     eval_interval: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = before/after only).")
     eval_batches: int = Field(8, ge=1, description="Held-out micro-batches per rank per evaluation.")
     save_interval: int = Field(200, ge=0, description="Checkpoint every N steps (0 = at the end only).")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zeal.config.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
+
 Auto = Literal["auto"]
 
 
@@ -295,6 +297,10 @@ class Config(Section):
                     "(ZEAL_COMM_TIMEOUT_S overrides; default 600).")
     pipeline_parallel: PipelineConfig = Field(default_factory=PipelineConfig,
                                               description="Pipeline parallelism: stages, micro-batches, schedule.")
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig,
+                                                  description="Curriculum learning and random-LTD (DeepSpeed keys).")
+    curriculum_learning: LegacyCurriculumConfig | None = Field(
+        None, description="DeepSpeed's legacy sequence-length curriculum (curriculum_type seqlen).")
 
     @field_validator("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
     @classmethod

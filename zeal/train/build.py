@@ -11,9 +11,10 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    (:mod:`zeal.dist.mesh`); batch arithmetic resolved against the data-parallel size;
 3. ``apply_precision``: the compute dtype, buffers cast to it, the fp16 loss scaler;
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
-5. (to come: token dropping, compression) ``apply_tensor_parallel``: attention and MLP
-   linears split over ``mesh.tp`` (:mod:`zeal.parallel.tensor`); (to come: MoE) — each
-   changes the modules before ZeRO flattens their parameters;
+5. ``apply_token_drop``: random-LTD on the layers the config names (:mod:`zeal.data.random_ltd`);
+   (to come: compression) ``apply_tensor_parallel``: attention and MLP linears split over
+   ``mesh.tp`` (:mod:`zeal.parallel.tensor`); (to come: MoE) — each changes the modules
+   before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -33,6 +34,8 @@ import torch
 from torch import nn
 
 from zeal.config import AutoValues, Config, ConfigError, load_config
+from zeal.data.curriculum_sampler import sampler_from_config
+from zeal.data.random_ltd import apply_token_drop
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
@@ -100,7 +103,8 @@ def initialize(
     if precision.dtype == torch.float16 and mesh.device.type == "cpu" and mesh.rank == 0:
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    # (to come: apply_token_drop, apply_compression)
+    token_drop = _token_drop(model, cfg)
+    # (to come: apply_compression)
     tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
@@ -116,8 +120,8 @@ def initialize(
     scheduler = _scheduler(cfg, lr_scheduler, zopt.optimizer)
     loader = None
     if training_data is not None:
-        sampler = ResumableDistributedSampler(len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed,
-                                              batch_size=micro)
+        sampler = _curriculum_sampler(cfg, len(training_data), micro, mesh, accum) or ResumableDistributedSampler(
+            len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed, batch_size=micro)
         loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler, drop_last=True,
                                              collate_fn=collate_fn)
     mesh.stats.step.clear()
@@ -126,7 +130,24 @@ def initialize(
     engine = TrainEngine(parts) if stage is None else PipelineEngine(parts, stage, cfg.pipeline_parallel.schedule)
     for hook in zero.hooks:
         engine.register_step_hook(hook)
+    engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
+    if token_drop is not None:
+        engine.register_step_hook(token_drop)
     return engine
+
+
+def _curriculum_sampler(cfg: Config, n: int, micro: int, mesh: Mesh, accum: int) -> Any:
+    try:
+        return sampler_from_config(cfg, n, micro, mesh.dp_size, mesh.dp_rank, accum)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data_efficiency.data_sampling.curriculum_learning: {e}") from None
+
+
+def _token_drop(model: nn.Module, cfg: Config) -> Any:
+    try:
+        return apply_token_drop(model, cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _mesh(cfg: Config) -> Mesh:

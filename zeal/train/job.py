@@ -26,6 +26,7 @@ import torch
 from zeal.config.job import JobSpec, read_spec, resolve_auto, resolve_precision, write_spec  # noqa: F401 - read_spec re-exported
 from zeal.dist.comm import Comm
 from zeal.models.gpt import sample_next
+from zeal.train import data_efficiency_job
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
 from zeal.utils.process import apply_process_settings
 
@@ -162,6 +163,8 @@ class _Run:
     tokens_done: int = 0
     elapsed_before: float = 0.0
     rss_before_model: int = 0
+    de: Any = None  # data_efficiency_job.JobDataEfficiency: curricula, random-LTD, token counts
+    tokens_before: int = 0  # tokens consumed before this process's first step (resume)
 
     @property
     def run_dir(self) -> Path:
@@ -181,13 +184,14 @@ class _Run:
 
     def held_out(self, step: int) -> float:
         loss = evaluate(self.engine, self.blocks, self.micro, self.spec.job.eval_batches)
-        self.sink.log({"step": step, "kind": "eval", "loss": loss})
+        self.sink.log({"step": step, "kind": "eval", "loss": loss, "tokens": self.tokens_done})
         return loss
 
     def save(self, step: int, elapsed: float) -> None:
         if self.spec.job.checkpoint:
             self.engine.save_checkpoint(str(self.run_dir / "checkpoints"), tag=f"step{step}", client_state={
-                "step": step, "tokens": self.tokens_done, "elapsed_s": elapsed})
+                "step": step, "tokens": self.tokens_done, "elapsed_s": elapsed,
+                "data_efficiency": self.de.state_dict()})
 
 
 def run_job(spec: JobSpec) -> dict[str, Any]:
@@ -228,6 +232,11 @@ def _start(spec: JobSpec) -> _Run:
                MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume, report_to=j.report_to,
                            run_config=spec.model_dump()),
                rss_before_model=rss_before_model)
+    run.de = data_efficiency_job.build(cfg, blocks, micro, accum, engine.mesh.dp_size, engine.mesh.dp_rank,
+                                       getattr(engine, "token_drop", None))
+    token_sched = data_efficiency_job.token_scheduler(j, cfg, engine.optimizer, run.de.counter)
+    if token_sched is not None:
+        engine.lr_scheduler = token_sched
     if run.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         write_spec(spec, run.run_dir / "config.json")
@@ -239,6 +248,9 @@ def _start(spec: JobSpec) -> _Run:
         run.start_step = int(state.get("step", engine.global_steps))
         run.tokens_done = int(state.get("tokens", 0))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
+        run.de.load_state_dict(state.get("data_efficiency") or {"tokens": run.tokens_done}, run.start_step)
+        if token_sched is not None:
+            token_sched.refresh()
     run.say("engine config (DeepSpeed keys, \"auto\" resolved; saved in config.json): "
             + json.dumps(spec.engine, separators=(",", ":")), flush=True)
     mixed = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
@@ -256,29 +268,38 @@ def _train(run: _Run) -> tuple[int, float, float]:
 
     j, engine, blocks, start_step = run.spec.job, run.engine, run.blocks, run.start_step
     # data is sharded over the data-parallel ranks (tensor/pipeline ranks of one replica see the same batch)
-    rank, world, per_step = engine.mesh.dp_rank, engine.mesh.dp_size, run.tokens_per_step
+    rank, world = engine.mesh.dp_rank, engine.mesh.dp_size
     sampler = BlockSampler(len(blocks.train_index), run.micro, run.accum, world, run.spec.data.seed)
     engine.train()
     bar = ProgressBar(j.steps, start_step, enabled=run.is_main, log_interval=j.log_interval)
     t0 = time.perf_counter()
     step = start_step
     train_loss = float("nan")
+    tokens_at_start, counted_at_start = run.tokens_done, run.de.counter.tokens
+    run.tokens_before = tokens_at_start
+    final_step = start_step
     for step in range(start_step, j.steps):
+        if j.train_tokens is not None and run.tokens_done >= j.train_tokens:
+            break
         losses = []
+        picked = run.de.begin_step(step)  # the curriculum sampler's ids, or None
         for m in range(run.accum):
-            x = blocks.batch(blocks.train_index[sampler.indices(step, m, rank)])
+            idx = picked[m * run.micro:(m + 1) * run.micro] if picked is not None else sampler.indices(step, m, rank)
+            x = run.de.cut(blocks.batch(blocks.train_index[idx]))
+            run.de.consume(x, world)
             loss = _loss_of(engine({"input_ids": x, "labels": x}))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-        run.tokens_done += per_step
+        run.tokens_done = tokens_at_start + run.de.counter.tokens - counted_at_start
+        final_step = step + 1
         train_loss = _mean_over_ranks([sum(losses) / len(losses)], engine.mesh.dp)[0]
         done = step + 1
         elapsed = time.perf_counter() - t0
-        speed = (done - start_step) * per_step / max(elapsed, 1e-9)
+        speed = (run.tokens_done - tokens_at_start) / max(elapsed, 1e-9)
         run.sink.log({"step": done, "kind": "train", "loss": train_loss, "lr": _current_lr(engine),
                       "grad_norm": _grad_norm(engine), "tokens": run.tokens_done, "tokens_per_s": speed,
-                      "elapsed_s": run.elapsed_before + elapsed})
+                      "elapsed_s": run.elapsed_before + elapsed, **run.de.metrics()})
         bar.update(done, train_loss, speed)
         if j.eval_interval and done % j.eval_interval == 0 and done < j.steps:
             bar.write(f"step {done}: held-out loss {run.held_out(done):.4f}")
@@ -286,7 +307,6 @@ def _train(run: _Run) -> tuple[int, float, float]:
             run.save(done, run.elapsed_before + elapsed)
     train_time = time.perf_counter() - t0
     bar.close()
-    final_step = max(step + 1, start_step) if j.steps > start_step else start_step
     return final_step, train_loss, train_time
 
 
@@ -314,7 +334,7 @@ def _finish(run: _Run, eval_before: float, final_step: int, train_loss: float, t
         "zero_stage": cfg.zero_optimization.stage, "bf16": cfg.bf16.enabled,
         "heldout_loss_before": eval_before, "heldout_loss_after": eval_after, "train_loss_last": train_loss,
         "train_time_s": train_time, "tokens": run.tokens_done,
-        "tokens_per_s": (final_step - start_step) * run.tokens_per_step / max(train_time, 1e-9),
+        "tokens_per_s": (run.tokens_done - run.tokens_before) / max(train_time, 1e-9),
         "peak_rss_bytes_per_rank": rss, "rss_before_model_bytes_per_rank": rss_before,
         "memory_breakdown": _safe(engine, "memory_breakdown"),
         "wall_clock_breakdown": breakdown, "sample": text,
@@ -322,7 +342,8 @@ def _finish(run: _Run, eval_before: float, final_step: int, train_loss: float, t
     if run.is_main:
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         run.sink.close()
-        png = plot_loss_curve(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png")
+        png = plot_loss_curve(run.run_dir / "metrics.jsonl", run.run_dir / "loss.png",
+                              x="tokens" if run.de.on else "step")
         run.say(f"wrote {run.run_dir}/metrics.csv, metrics.jsonl, summary.json" + (f", {png.name}" if png else ""),
                 flush=True)
     return summary

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-CSV_COLUMNS = ("step", "kind", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s")
+CSV_COLUMNS = ("step", "kind", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s",
+               "curriculum_difficulty", "random_ltd_kept_tokens")
 
 
 def format_duration(seconds: float) -> str:
@@ -141,8 +142,9 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path) -> Path | None:
-    """Train and held-out loss against step as a PNG; None when matplotlib is missing."""
+def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path, x: str = "step") -> Path | None:
+    """Train and held-out loss against ``x`` (``step``, or ``tokens``: consumed tokens) as a
+    PNG; None when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -151,14 +153,16 @@ def plot_loss_curve(metrics_jsonl: str | Path, out_png: str | Path) -> Path | No
     except ImportError:
         return None
     records = read_metrics(metrics_jsonl)
-    train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and r.get("loss") is not None]
-    held = [(r["step"], r["loss"]) for r in records if r.get("kind") == "eval" and r.get("loss") is not None]
+    train = [(r[x], r["loss"]) for r in records
+             if r.get("kind") == "train" and r.get("loss") is not None and r.get(x) is not None]
+    held = [(r[x], r["loss"]) for r in records
+            if r.get("kind") == "eval" and r.get("loss") is not None and r.get(x) is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if train:
         ax.plot(*zip(*train), label="train", linewidth=1)
     if held:
         ax.plot(*zip(*held), "o-", label="held-out", linewidth=1.5)
-    ax.set_xlabel("step")
+    ax.set_xlabel("consumed tokens" if x == "tokens" else x)
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
