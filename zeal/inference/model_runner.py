@@ -118,11 +118,13 @@ class ModelRunner:
         for c in out.chunks:
             seq, start, n = c.seq, c.start, c.num_tokens
             row0 = len(ids)
-            ids.extend(seq.tokens[start : start + n])
+            ids.extend(seq.fed_tokens(start, n) if c.num_draft else seq.tokens[start : start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if c.sample:
+            if c.num_draft:  # speculative: a row per fed token, to verify each draft
+                sample_rows.extend(range(row0, row0 + n))
+            elif c.sample:
                 sample_rows.append(row0 + n - 1)
             if n == 1 and start > 0:
                 dec_rows.append(row0)

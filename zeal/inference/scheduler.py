@@ -90,6 +90,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.draft_ids = []
         self.bm.free_seq(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -123,9 +124,11 @@ class Scheduler:
             copy = self.bm.append_slot(seq)
             if copy is not None:
                 out.copies.append(copy)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
+            k = self.bm.append_draft_slots(seq, min(len(seq.draft_ids), budget - 1)) if seq.draft_ids else 0
+            del seq.draft_ids[k:]
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1 + k, True, num_draft=k))
             scheduled.add(seq.seq_id)
-            budget -= 1
+            budget -= 1 + k
 
         # 2. prompt chunks: continuations of split prompts, then new arrivals (FCFS)
         for seq in self.running:

@@ -331,6 +331,8 @@ async def metrics(state: AppState, request: Request) -> PlainTextResponse:
         "zeal_kv_cache_usage_ratio": (bm.num_used_blocks / bm.num_blocks, "Fraction of KV blocks in use."),
         "zeal_generation_tokens_per_second": (engine.metrics.tokens_per_second(),
                                               "Generated tokens per second over the last 10 s."),
+        "zeal_spec_decode_draft_acceptance_rate": (engine.metrics.spec_acceptance_rate(),
+                                                   "Speculative draft tokens accepted / proposed (0: none yet)."),
     }
     return PlainTextResponse(engine.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
