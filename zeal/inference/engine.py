@@ -30,6 +30,7 @@ from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.speculative import accept, draft_for
+from zeal.inference.structured import GrammarCompiler, mask_rows
 from zeal.inference.tokenizer import Tokenizer
 
 log = logging.getLogger("zeal.inference")
@@ -68,6 +69,7 @@ class LLMEngine:
         if tokenizer is not None:
             eos += [e for e in tokenizer.eos_token_ids if e not in eos]
         self.eos_token_ids = set(eos)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos)
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._seq_ids = itertools.count()
@@ -100,8 +102,10 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum sequence length {self.max_seq_tokens}"
             )
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         req = _Request(request_id, prompt_ids, params)
         seq = self._new_seq(req, 0)
+        seq.matcher = matcher
         seq.pending_fork = params.n > 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -235,6 +239,8 @@ class LLMEngine:
         all_logits = logits
         if len(rows) < num_sampled:
             logits = logits[rows]
+        if any(s.matcher is not None for s in to_sample):
+            logits = mask_rows(logits, [s.matcher for s in to_sample])
         results = self._sample(logits, to_sample, touched)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
@@ -363,6 +369,7 @@ class LLMEngine:
         for i in range(1, seq.params.n):
             child = self._new_seq(req, i)
             child.output_ids = list(seq.output_ids)
+            child.matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
             self.bm.fork(seq, child)
             self.scheduler.add_running(child)
             cres = sample(logits_row, [(child.prompt_ids, child.output_ids)], [child.params], [child.generator])[0]
@@ -382,7 +389,11 @@ class LLMEngine:
         p, tok = seq.params, res.token
         reason = None
         stopped_by_token = (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids
-        if stopped_by_token:
+        if seq.matcher is not None:
+            seq.matcher.consume_token(tok)
+            if seq.matcher.is_error():
+                raise RuntimeError(f"structured outputs: {seq.matcher.get_error()}")
+        if stopped_by_token or (seq.matcher is not None and seq.matcher.is_stopped()):
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_tokens:
             reason = "length"

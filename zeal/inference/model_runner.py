@@ -15,6 +15,7 @@ from zeal.inference.attention import (
     decode_tables,
     plan_decodes,
 )
+from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
 from zeal.inference.sequence import SchedulerOutput
 
@@ -142,11 +143,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one pass; returns logits ``(num_sampled_chunks, vocab)`` in chunk order, in the
-        model's dtype (greedy rows need only their argmax; the sampler upcasts the rest)."""
+        """Run one pass; returns logits ``(num_sampled_rows, vocab)`` in chunk order, in the
+        model's dtype (greedy rows need only their argmax; the sampler upcasts the rest), or
+        fp32 on the fused 16-bit path, whose leading logits are recomputed unrounded."""
         self.copy_blocks(out.copies)
         if out.empty:
             return torch.empty(0, self.vocab_size)
         input_ids, positions, meta, sample_rows = self.prepare(out)
         attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
-        return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
+        head = getattr(self.model, "lm_head", None)
+        if self.kernels is None or self.dtype == torch.float32 or not isinstance(head, nn.Linear):
+            return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
+        # fused 16-bit path: the leading logits without their 16-bit rounding (see exact_logits)
+        with HiddenCapture(head) as cap:
+            logits = self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
+        if cap.hidden is None or cap.hidden.shape[0] != logits.shape[0]:
+            return logits
+        return refine_top_logits(logits, cap.hidden, head.weight, head.bias)

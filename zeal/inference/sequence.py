@@ -44,7 +44,8 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     pending_fork: bool = False  # n > 1: fork the siblings at the first sample
-    draft_ids: list[int] = field(default_factory=list)  # speculative tokens fed after the last sampled one
+    draft_ids: list[int] = field(default_factory=list)
+    matcher: object | None = None  # structured outputs: the grammar state (llguidance.LLMatcher)  # speculative tokens fed after the last sampled one
     # detokenizer state (owned by the engine)
     text: str = ""
     emitted_chars: int = 0

@@ -57,6 +57,11 @@ class AppState:
     def engine(self) -> LLMEngine:
         return self.aengine.engine
 
+    def token_bytes(self, t: int) -> list[int] | None:
+        """One token's bytes (None without a tokenizer)."""
+        tok = self.engine.tokenizer
+        return tok.token_bytes(t) if tok is not None else None
+
     def token_str(self, t: int) -> str:
         """One token as text, special tokens included (ids as text without a tokenizer)."""
         tok = self.engine.tokenizer
@@ -393,13 +398,19 @@ async def completions(state: AppState, request: Request) -> Response | dict:
                                           "total_tokens": ptoks + ctoks}}
 
 
-def _chat_logprobs(state: AppState, c: CompletionOutput) -> dict | None:
+def _chat_logprobs(state: AppState, c: CompletionOutput, last: int | None = None) -> dict | None:
+    """OpenAI's ``choices[].logprobs``: per generated token (the ``last`` ones when given),
+    its text, log-probability, bytes and ``top_logprobs`` alternatives, most likely first."""
     if c.logprobs is None:
         return None
-    ts = state.token_str
-    return {"content": [{"token": ts(x["token"]), "logprob": x["logprob"], "bytes": None,
-                         "top_logprobs": [{"token": ts(t), "logprob": v, "bytes": None}
-                                          for t, v in x["top_logprobs"].items()]} for x in c.logprobs]}
+    entries = c.logprobs if last is None else c.logprobs[len(c.logprobs) - last :] if last else []
+
+    def item(t: int, lp: float) -> dict:
+        return {"token": state.token_str(t), "logprob": lp, "bytes": state.token_bytes(t)}
+
+    return {"content": [item(x["token"], x["logprob"]) | {
+        "top_logprobs": [item(t, v) for t, v in sorted(x["top_logprobs"].items(), key=lambda kv: -kv[1])]}
+        for x in entries]}
 
 
 def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
@@ -407,7 +418,7 @@ def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": ct, "total_tokens": prompt_tokens + ct}
 
 
-def _chat_chunks(cid: str, name: str, prompt_tokens: int, include_usage: bool):
+def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool):
     """The chunk maker of one streamed chat completion: the role first, then content deltas."""
     started: set[int] = set()
 
@@ -420,8 +431,9 @@ def _chat_chunks(cid: str, name: str, prompt_tokens: int, include_usage: bool):
                 delta["role"] = "assistant"
             if c.delta_text:
                 delta["content"] = c.delta_text
-            if delta or c.finish_reason:
-                yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
+            if delta or c.finish_reason or (c.logprobs is not None and c.delta_token_ids):
+                lp = _chat_logprobs(state, c, len(c.delta_token_ids))
+                yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                            "finish_reason": c.finish_reason}]}
         if include_usage and out.finished:
             yield base | {"choices": [], "usage": _usage(prompt_tokens, out)}
@@ -441,12 +453,14 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     except Exception as e:  # template errors (e.g. unsupported roles) are the caller's
         raise APIError(400, f"chat template failed: {e}", param="messages") from None
     max_tokens = check_length(state.engine, prompt, req.max_completion_tokens or req.max_tokens, None)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_response(agen, _chat_chunks(cid, name, len(prompt), usage))
+        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage))
     final = (await collect_or_error(agen, request))[0]
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": name,
             "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},

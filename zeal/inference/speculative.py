@@ -32,9 +32,9 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
 
 
 def speculates(seq: Sequence) -> bool:
-    """Whether ``seq`` may take drafts: greedy, no penalties, no logprobs, a single choice."""
+    """Whether ``seq`` may take drafts: greedy, no penalties, no logprobs, no grammar, a single choice."""
     p = seq.params
-    return p.greedy and not p.needs_penalties and p.logprobs is None and p.n == 1
+    return p.greedy and not p.needs_penalties and p.logprobs is None and p.n == 1 and p.structured_outputs is None
 
 
 def draft_for(seq: Sequence, cfg: SpeculativeConfig, max_seq_tokens: int) -> list[int]:
