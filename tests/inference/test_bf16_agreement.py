@@ -42,3 +42,23 @@ def test_fused_bf16_as_close_to_fp32_as_torch_bf16(smollm2):
     res = bf16_agreement(model, tok, PROMPTS, max_tokens=16, num_blocks=16)
     assert at_least_as_close(res["fused"], res["torch"]), res
     assert "Paris" in tok.decode(res["fused"]["tokens"][0]), "the demo question: fp32 answers Paris"
+
+
+def test_refined_logits_are_the_fp32_products():
+    """Reference: the same bf16 hidden state and weights multiplied in fp32."""
+    import torch
+
+    from zeal.inference.exact_logits import refine_top_logits
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 64, generator=g).bfloat16(), torch.randn(500, 64, generator=g).bfloat16()
+    b = torch.randn(500, generator=g).bfloat16()
+    logits = torch.nn.functional.linear(h, w, b)  # bf16: each logit rounded to 8 bits
+    ref = torch.nn.functional.linear(h.float(), w.float(), b.float())
+    out = refine_top_logits(logits, h, w, b, k=8)
+    top = logits.topk(8, dim=-1).indices
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), rtol=0, atol=1e-4)
+    rest = torch.ones_like(out, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(out[rest], logits.float()[rest])
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))

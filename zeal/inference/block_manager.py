@@ -159,15 +159,15 @@ class BlockManager:
         seq.block_table[idx] = new
         return old, new
 
-    def append_draft_slots(self, seq: Sequence, n: int) -> int:
+    def append_draft_slots(self, seq: Sequence, n: int, reserve: int = 0) -> int:
         """Slots for up to ``n`` draft tokens after position ``seq.num_computed`` (whose slot
-        :meth:`append_slot` made writable), taking fresh blocks while any is free. Returns
-        how many drafts got a slot."""
+        :meth:`append_slot` made writable), taking fresh blocks while more than ``reserve``
+        are free. Returns how many drafts got a slot."""
         bs = self.block_size
         for i in range(n):
             idx = (seq.num_computed + 1 + i) // bs
             if idx == len(seq.block_table):
-                if not self.num_free_blocks:
+                if self.num_free_blocks <= max(0, reserve):
                     return i
                 seq.block_table.append(self._take_fresh())
         return n

@@ -124,7 +124,9 @@ class Scheduler:
             copy = self.bm.append_slot(seq)
             if copy is not None:
                 out.copies.append(copy)
-            k = self.bm.append_draft_slots(seq, min(len(seq.draft_ids), budget - 1)) if seq.draft_ids else 0
+            # drafts take no block that a sequence still to be scheduled may need for its own token
+            reserve = len(self.running) - len(out.chunks) - 1
+            k = self.bm.append_draft_slots(seq, min(len(seq.draft_ids), budget - 1), reserve) if seq.draft_ids else 0
             del seq.draft_ids[k:]
             out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1 + k, True, num_draft=k))
             scheduled.add(seq.seq_id)
