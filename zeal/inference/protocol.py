@@ -154,8 +154,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionSpec(BaseModel):
+    """A tool's ``function``: its name, description and JSON schema of arguments."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolSpec(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
+
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -35,6 +35,8 @@ from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.server_guard import Guard, error_response, parse_json_object, read_body, uvicorn_limits
+from zeal.inference.structured import StructuredOutputsParams
+from zeal.inference.tools import allowed_tools, call_schema, forced, parse_tool_calls
 
 __all__ = ["AppState", "ServerLimits", "build_app", "uvicorn_limits"]
 
@@ -418,8 +420,19 @@ def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": ct, "total_tokens": prompt_tokens + ct}
 
 
-def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool):
-    """The chunk maker of one streamed chat completion: the role first, then content deltas."""
+def _chat_message(c: CompletionOutput, funcs: list[dict] | None) -> tuple[dict, str | None]:
+    """The assistant message of a choice and its finish reason: parsed tool calls when the
+    answer is a call to one of ``funcs``, else the text."""
+    calls = parse_tool_calls(c.text, funcs) if funcs else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": c.text}, c.finish_reason
+
+
+def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
+                 calls_only: list[dict] | None = None):
+    """The chunk maker of one streamed chat completion: the role first, then content deltas.
+    ``calls_only``: a forced tool call, sent whole as one ``tool_calls`` delta at its end."""
     started: set[int] = set()
 
     def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
@@ -429,6 +442,16 @@ def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, inclu
             if c.index not in started:
                 started.add(c.index)
                 delta["role"] = "assistant"
+            if calls_only is not None:
+                if c.finish_reason:
+                    msg, reason = _chat_message(c, calls_only)
+                    delta["tool_calls"] = [{"index": k} | t for k, t in enumerate(msg.get("tool_calls") or [])]
+                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                               "finish_reason": reason}]}
+                elif delta:
+                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                               "finish_reason": None}]}
+                continue
             if c.delta_text:
                 delta["content"] = c.delta_text
             if delta or c.finish_reason or (c.logprobs is not None and c.delta_token_ids):
@@ -448,25 +471,48 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     if tok is None:
         raise APIError(400, "this model has no tokenizer: chat is unavailable")
     msgs = [m.template_dict() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if req.tool_choice not in (None, "none", "auto") and not tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
     try:
-        prompt = tok.encode_chat(msgs)
+        prompt = tok.encode_chat(msgs, tools=tools)
     except Exception as e:  # template errors (e.g. unsupported roles) are the caller's
         raise APIError(400, f"chat template failed: {e}", param="messages") from None
     max_tokens = check_length(state.engine, prompt, req.max_completion_tokens or req.max_tokens, None)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    funcs = _tool_functions(tools, req.tool_choice, params)
     cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage))
+        only = funcs if forced(req.tool_choice) else None
+        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, only))
     final = (await collect_or_error(agen, request))[0]
+    choices = []
+    for c in final.outputs:
+        msg, reason = _chat_message(c, funcs)
+        choices.append({"index": c.index, "message": msg, "logprobs": _chat_logprobs(state, c),
+                        "finish_reason": reason})
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": name,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": _chat_logprobs(state, c), "finish_reason": c.finish_reason}
-                        for c in final.outputs],
-            "usage": _usage(len(prompt), final)}
+            "choices": choices, "usage": _usage(len(prompt), final)}
+
+
+def _tool_functions(tools: list[dict] | None, choice: str | dict | None, params: SamplingParams) -> list[dict] | None:
+    """The functions a call may name (None: no tool calls); a forced choice constrains ``params``
+    to a call of them."""
+    if not tools or choice == "none":
+        return None
+    try:
+        funcs = allowed_tools(tools, choice)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    if forced(choice):
+        if params.structured_outputs is not None:
+            raise APIError(400, "a forced tool_choice cannot be combined with response_format", param="tool_choice")
+        params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+    return funcs
 
 
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,

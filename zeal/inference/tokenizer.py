@@ -86,8 +86,9 @@ class Tokenizer:
                 return [table[ch] for ch in piece]
         return list(self.decode([token_id], skip_special_tokens=False).encode())
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat; a plain ``role: content`` format when the model has no template."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for a chat (``tools``: OpenAI tool specs, for templates that render
+        them); a plain ``role: content`` format when the model has no template."""
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
@@ -107,11 +108,12 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render then tokenize; special tokens in the template text are recognised, none added."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
 
 _BYTE_LEVEL: dict[str, int] = {}
