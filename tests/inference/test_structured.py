@@ -62,7 +62,7 @@ def llm(llama_dir):
 
 
 @pytest.mark.timeout(120)
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=SCHEMAS, seed=st.integers(0, 1000))
 def test_outputs_parse_and_match_their_schema(llm, schema, seed):
     prompt = [ord(c) - 30 for c in "give json:"]
