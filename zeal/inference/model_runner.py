@@ -127,7 +127,11 @@ class ModelRunner:
                 sample_rows.extend(range(row0, row0 + n))
             elif c.sample:
                 sample_rows.append(row0 + n - 1)
-            if n == 1 and start > 0:
+            if c.num_draft:  # each fed token attends as a decode would (the same kernel, the same sums)
+                dec_rows.extend(range(row0, row0 + n))
+                dec_tables.extend([table] * n)
+                dec_lens.extend(range(start + 1, start + n + 1))
+            elif n == 1 and start > 0:
                 dec_rows.append(row0)
                 dec_tables.append(table)
                 dec_lens.append(start + 1)

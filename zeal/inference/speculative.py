@@ -3,8 +3,9 @@
 Each step, a greedy decoding sequence looks for the latest earlier occurrence of its
 last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``) and
 drafts the up to ``num_speculative_tokens`` tokens that followed it. The pass then feeds
-the last sampled token and the drafts together, as a chunk over the paged KV cache, and
-returns a row of logits per fed token. Drafts are accepted while each equals the argmax
+the last sampled token and the drafts together over the paged KV cache (their K/V written
+first, then each fed token attends over the cache up to itself exactly as a decode step
+would, through the same kernel) and returns a row of logits per fed token. Drafts are accepted while each equals the argmax
 of the row before it; the argmax after the last accepted one is a token of its own, so a
 step yields 1 to k + 1 tokens, exactly those plain greedy decoding would. The KV of the
 rejected drafts is rolled back: the sequence's computed count stops before them (their
