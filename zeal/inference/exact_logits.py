@@ -41,7 +41,9 @@ def refine_top_logits(logits: torch.Tensor, hidden: torch.Tensor, weight: torch.
     k = min(k, logits.shape[-1])
     top = logits.topk(k, dim=-1).indices  # (S, k)
     w = weight.index_select(0, top.reshape(-1)).view(*top.shape, -1).float()  # (S, k, H)
-    exact = torch.matmul(w, hidden.float().unsqueeze(-1)).squeeze(-1)  # (S, k)
+    # an elementwise product summed per row: each row's sum is taken the same way whatever the
+    # number of rows (a batched matmul may pick its kernel by the batch's shape)
+    exact = (w * hidden.float().unsqueeze(1)).sum(-1)  # (S, k)
     if bias is not None:
         exact += bias.float()[top]
     return logits.float().scatter_(-1, top, exact)
