@@ -4,9 +4,10 @@ fields (name, type, default and help), so each default is stated here once."""
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from zeal.config.process import ProcessConfig
 from zeal.config.schema import Section
@@ -15,6 +16,23 @@ from zeal.config.schema import Section
 DTYPE_NAMES: dict[str, str] = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                                "float16": "float16", "fp16": "float16", "auto": "auto"}
 DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+class SpeculativeConfig(Section):
+    """Speculative decoding (vLLM's ``speculative_config``): ``method="ngram"`` drafts the next
+    tokens by prompt lookup, and one forward pass verifies them; greedy requests only."""
+
+    method: Literal["ngram"] = Field("ngram", description="Drafts by prompt lookup (n-gram matching).")
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="Tokens drafted per step.")
+    prompt_lookup_max: int = Field(4, ge=1, description="Longest suffix n-gram looked up in the context.")
+    prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix n-gram looked up in the context.")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        return self
 
 
 class EngineConfig(Section):
@@ -31,6 +49,19 @@ class EngineConfig(Section):
         None, ge=1, description="Cap on prompt + completion tokens; None = the model's context.")
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV blocks of a prompt prefix computed before (chained block hashes).")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; None = off.')
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _json(cls, v: object) -> object:
+        if isinstance(v, str):  # --speculative-config '{"method": "ngram", ...}'
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        return v
 
 
 class ServerLimits(Section):

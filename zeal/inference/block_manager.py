@@ -159,6 +159,25 @@ class BlockManager:
         seq.block_table[idx] = new
         return old, new
 
+    def append_draft_slots(self, seq: Sequence, n: int, reserve: int = 0) -> int:
+        """Slots for up to ``n`` draft tokens after position ``seq.num_computed`` (whose slot
+        :meth:`append_slot` made writable), taking fresh blocks while more than ``reserve``
+        are free. Returns how many drafts got a slot."""
+        bs = self.block_size
+        for i in range(n):
+            idx = (seq.num_computed + 1 + i) // bs
+            if idx == len(seq.block_table):
+                if self.num_free_blocks <= max(0, reserve):
+                    return i
+                seq.block_table.append(self._take_fresh())
+        return n
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past those ``seq``'s known tokens need (rejected drafts' KV)."""
+        keep = blocks_for(seq.num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (a reference each); written blocks
         are copied later by :meth:`append_slot`."""

@@ -24,11 +24,13 @@ from zeal.inference.block_manager import BlockManager
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
 from zeal.inference.outputs import CompletionOutput, RequestOutput, StepStats
-from zeal.inference.sampler import sample
+from zeal.inference.sampler import SampleResult, sample
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
+from zeal.inference.speculative import accept, draft_for
+from zeal.inference.structured import GrammarCompiler, mask_rows
 from zeal.inference.tokenizer import Tokenizer
 
 log = logging.getLogger("zeal.inference")
@@ -67,6 +69,7 @@ class LLMEngine:
         if tokenizer is not None:
             eos += [e for e in tokenizer.eos_token_ids if e not in eos]
         self.eos_token_ids = set(eos)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos)
         self.requests: dict[str, _Request] = {}
         self.metrics = EngineMetrics()
         self._seq_ids = itertools.count()
@@ -99,8 +102,10 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"maximum sequence length {self.max_seq_tokens}"
             )
+        matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
         req = _Request(request_id, prompt_ids, params)
         seq = self._new_seq(req, 0)
+        seq.matcher = matcher
         seq.pending_fork = params.n > 1
         self.requests[request_id] = req
         self.scheduler.add(seq)
@@ -197,6 +202,8 @@ class LLMEngine:
         """One forward pass. Returns an output for every request that progressed or ended."""
         self._check_awake()
         t0 = time.monotonic()
+        if self.config.speculative_config is not None:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         touched: dict[str, _Request] = {}
         for seq in sched.failed:
@@ -207,13 +214,14 @@ class LLMEngine:
         logits = self._execute(sched, touched)
         to_sample: list[Sequence] = []
         rows: list[int] = []  # the logits row of each sequence in to_sample
+        spec: list[tuple[Sequence, int, list[int]]] = []  # (sequence, its first row, its drafts)
         prompt_tokens = decode_tokens = num_sampled = 0
         for c in sched.chunks:
             if c.seq.is_decoding:  # (before the commit) only its last sampled token was left to feed
                 decode_tokens += c.num_tokens
             else:
                 prompt_tokens += c.num_tokens
-            c.seq.num_computed += c.num_tokens
+            c.seq.num_computed += c.num_tokens - c.num_draft  # drafts count once verified
             req = self.requests[c.seq.request_id]
             try:
                 if req.error is None:
@@ -221,11 +229,18 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 self._fail(req, e, touched)
             if c.sample and req.error is None:
-                to_sample.append(c.seq)
-                rows.append(num_sampled)
-            num_sampled += c.sample
+                if c.num_draft:
+                    spec.append((c.seq, num_sampled, list(c.seq.draft_ids)))
+                else:
+                    to_sample.append(c.seq)
+                    rows.append(num_sampled)
+            c.seq.draft_ids = []
+            num_sampled += c.num_rows
+        all_logits = logits
         if len(rows) < num_sampled:
             logits = logits[rows]
+        if any(s.matcher is not None for s in to_sample):
+            logits = mask_rows(logits, [s.matcher for s in to_sample])
         results = self._sample(logits, to_sample, touched)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
@@ -239,10 +254,11 @@ class LLMEngine:
                 self._append(seq, res, now)
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 self._fail(req, e, touched)
+        num_generated = len(to_sample) + self._verify(all_logits, spec, touched, now)
         stats = StepStats(sched.num_tokens, decode_tokens, prompt_tokens, len(sched.chunks), len(sched.preempted),
                           time.monotonic() - t0)
         self.last_stats = stats
-        self.metrics.on_step(prompt_tokens, len(to_sample), stats.num_preempted)  # tokens generated
+        self.metrics.on_step(prompt_tokens, num_generated, stats.num_preempted)  # tokens generated
         return [self._output(r) for r in touched.values()]
 
     # ------------------------------------------------------------ failure isolation
@@ -285,12 +301,14 @@ class LLMEngine:
                 self._fail(self.requests[rid], e, touched)
                 continue
             copies = []
-            sampled = [c for c in chunks if c.sample]
-            rows.update({id(c): out[k] for k, c in enumerate(sampled)})
+            r = 0
+            for c in chunks:  # a chunk's rows: one when it samples, one per fed token when it speculates
+                rows[id(c)] = out[r : r + c.num_rows]
+                r += c.num_rows
             kept.update(id(c) for c in chunks)
         sched.chunks = [c for c in sched.chunks if id(c) in kept]
         sampled_rows = [rows[id(c)] for c in sched.chunks if c.sample]
-        return torch.stack(sampled_rows) if sampled_rows else torch.empty(0, self.vocab_size)
+        return torch.cat(sampled_rows) if sampled_rows else torch.empty(0, self.vocab_size)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, _Request]) -> list:
         """One :class:`SampleResult` per sequence (batched); when the batch raises, row by row,
@@ -311,12 +329,47 @@ class LLMEngine:
                 results.append(None)
         return results
 
+    # ------------------------------------------------------------ speculative decoding
+    def _propose_drafts(self) -> None:
+        """n-gram drafts for the running greedy sequences about to decode (see :mod:`.speculative`)."""
+        cfg = self.config.speculative_config
+        for seq in self.scheduler.running:
+            if seq.is_decoding:
+                seq.draft_ids = draft_for(seq, cfg, self.max_seq_tokens)
+
+    def _verify(self, logits: torch.Tensor, spec: list[tuple[Sequence, int, list[int]]],
+                touched: dict[str, _Request], now: float) -> int:
+        """Accept the drafts that greedy decoding confirms, append the step's tokens, roll the
+        rest back (their blocks freed, their slots left to be overwritten). Returns tokens added."""
+        added = 0
+        for seq, row, drafts in spec:
+            req = self.requests[seq.request_id]
+            if req.error is not None:
+                continue
+            touched[req.request_id] = req
+            try:
+                toks = accept(drafts, self.runner.argmax(logits[row : row + 1 + len(drafts)]).tolist())
+                self.metrics.on_spec(len(drafts), len(toks) - 1)
+                seq.num_computed += len(toks) - 1  # the accepted drafts' KV is the sequence's now
+                for t in toks:
+                    self._append(seq, SampleResult(t), now)
+                    added += 1
+                    if seq.finished:
+                        break
+                if not seq.finished:
+                    self.bm.trim(seq)
+                    self.bm.commit(seq)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
+                self._fail(req, e, touched)
+        return added
+
     def _fork(self, req: _Request, seq: Sequence, logits_row: torch.Tensor, now: float) -> None:
         """``n > 1``: the siblings of ``seq`` share its prompt blocks and draw their own first token."""
         seq.pending_fork = False
         for i in range(1, seq.params.n):
             child = self._new_seq(req, i)
             child.output_ids = list(seq.output_ids)
+            child.matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
             self.bm.fork(seq, child)
             self.scheduler.add_running(child)
             cres = sample(logits_row, [(child.prompt_ids, child.output_ids)], [child.params], [child.generator])[0]
@@ -336,7 +389,11 @@ class LLMEngine:
         p, tok = seq.params, res.token
         reason = None
         stopped_by_token = (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids
-        if stopped_by_token:
+        if seq.matcher is not None:
+            seq.matcher.consume_token(tok)
+            if seq.matcher.is_error():
+                raise RuntimeError(f"structured outputs: {seq.matcher.get_error()}")
+        if stopped_by_token or (seq.matcher is not None and seq.matcher.is_stopped()):
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_tokens:
             reason = "length"

@@ -48,6 +48,9 @@ class EngineMetrics:
         self.requests_finished: dict[str, int] = {}
         self.preemptions_total = 0
         self.rejected_total = 0
+        self.spec_drafts_total = 0  # verification steps that carried drafts
+        self.spec_draft_tokens_total = 0
+        self.spec_accepted_tokens_total = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, generated tokens) over the last 10 s
 
     def on_step(self, prompt_tokens: int, gen_tokens: int, preempted: int) -> None:
@@ -59,6 +62,18 @@ class EngineMetrics:
             self._recent.append((now, gen_tokens))
             while self._recent and self._recent[0][0] < now - 10.0:
                 self._recent.popleft()
+
+    def on_spec(self, drafted: int, accepted: int) -> None:
+        """One speculative verification: ``drafted`` tokens proposed, ``accepted`` kept."""
+        with self.lock:
+            self.spec_drafts_total += 1
+            self.spec_draft_tokens_total += drafted
+            self.spec_accepted_tokens_total += accepted
+
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over drafted tokens since start (0 before any draft)."""
+        with self.lock:
+            return self.spec_accepted_tokens_total / max(1, self.spec_draft_tokens_total)
 
     def on_first_token(self, ttft_s: float) -> None:
         with self.lock:
@@ -89,6 +104,10 @@ class EngineMetrics:
                 ("zeal_generation_tokens_total", self.generation_tokens_total, "Tokens generated."),
                 ("zeal_preemptions_total", self.preemptions_total, "Sequences preempted by recompute."),
                 ("zeal_requests_rejected_total", self.rejected_total, "Requests refused (queue full)."),
+                ("zeal_spec_decode_num_drafts_total", self.spec_drafts_total, "Speculative steps that had drafts."),
+                ("zeal_spec_decode_num_draft_tokens_total", self.spec_draft_tokens_total, "Draft tokens proposed."),
+                ("zeal_spec_decode_num_accepted_tokens_total", self.spec_accepted_tokens_total,
+                 "Draft tokens accepted (equal to the greedy token)."),
             ):
                 lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
             lines += ["# HELP zeal_requests_finished_total Finished requests by reason.",

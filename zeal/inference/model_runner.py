@@ -15,6 +15,7 @@ from zeal.inference.attention import (
     decode_tables,
     plan_decodes,
 )
+from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
 from zeal.inference.sequence import SchedulerOutput
 
@@ -118,13 +119,19 @@ class ModelRunner:
         for c in out.chunks:
             seq, start, n = c.seq, c.start, c.num_tokens
             row0 = len(ids)
-            ids.extend(seq.tokens[start : start + n])
+            ids.extend(seq.fed_tokens(start, n) if c.num_draft else seq.tokens[start : start + n])
             pos.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if c.sample:
+            if c.num_draft:  # speculative: a row per fed token, to verify each draft
+                sample_rows.extend(range(row0, row0 + n))
+            elif c.sample:
                 sample_rows.append(row0 + n - 1)
-            if n == 1 and start > 0:
+            if c.num_draft:  # each fed token attends as a decode would (the same kernel, the same sums)
+                dec_rows.extend(range(row0, row0 + n))
+                dec_tables.extend([table] * n)
+                dec_lens.extend(range(start + 1, start + n + 1))
+            elif n == 1 and start > 0:
                 dec_rows.append(row0)
                 dec_tables.append(table)
                 dec_lens.append(start + 1)
@@ -140,11 +147,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run one pass; returns logits ``(num_sampled_chunks, vocab)`` in chunk order, in the
-        model's dtype (greedy rows need only their argmax; the sampler upcasts the rest)."""
+        """Run one pass; returns logits ``(num_sampled_rows, vocab)`` in chunk order, in the
+        model's dtype (greedy rows need only their argmax; the sampler upcasts the rest), or
+        fp32 on the fused 16-bit path, whose leading logits are recomputed unrounded."""
         self.copy_blocks(out.copies)
         if out.empty:
             return torch.empty(0, self.vocab_size)
         input_ids, positions, meta, sample_rows = self.prepare(out)
         attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
-        return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
+        head = getattr(self.model, "lm_head", None)
+        if self.kernels is None or self.dtype == torch.float32 or not isinstance(head, nn.Linear):
+            return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
+        # fused 16-bit path: the leading logits without their 16-bit rounding (see exact_logits)
+        with HiddenCapture(head) as cap:
+            logits = self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
+        if cap.hidden is None or cap.hidden.shape[0] != logits.shape[0]:
+            return logits
+        return refine_top_logits(logits, cap.hidden, head.weight, head.bias)

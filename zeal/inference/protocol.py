@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from zeal.inference.sampling_params import SamplingParams
+from zeal.inference.structured import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -24,6 +25,44 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the output must match."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+def structured_params(fmt: ResponseFormat | None, extra: dict | None) -> StructuredOutputsParams | None:
+    """The constraint of a request: its ``response_format`` or vLLM's ``structured_outputs``
+    extension (``{"json" | "regex" | "grammar" | "json_object": ...}``), at most one of them."""
+    if fmt is not None and fmt.type != "text" and extra is not None:
+        raise ValueError("give response_format or structured_outputs, not both")
+    if extra is not None:
+        unknown = sorted(set(extra) - {"json", "json_object", "regex", "grammar"})
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown keys {', '.join(unknown)} "
+                             "(one of json, json_object, regex, grammar)")
+        return StructuredOutputsParams(**extra)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ValueError("response_format of type json_schema needs json_schema.schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
 class _Sampling(BaseModel):
@@ -47,6 +86,8 @@ class _Sampling(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's extension: json, json_object, regex or grammar
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -55,6 +96,7 @@ class _Sampling(BaseModel):
             min_p=self.min_p, repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            structured_outputs=structured_params(self.response_format, self.structured_outputs),
         )
 
 
@@ -112,8 +154,28 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class FunctionSpec(BaseModel):
+    """A tool's ``function``: its name, description and JSON schema of arguments."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class ToolSpec(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
+
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from zeal.inference.structured import StructuredOutputsParams
+
 # Temperatures below this sample greedily: dividing logits by a much smaller one overflows
 # fp32 to inf, and inf - inf turns every probability into NaN (as vLLM's _SAMPLING_EPS).
 MIN_TEMPERATURE = 1e-5
@@ -20,6 +22,8 @@ class SamplingParams:
     (repetition, over prompt and output). ``seed`` makes sampling reproducible per
     request (choice ``i`` of ``n`` uses ``seed + i``). ``logprobs=k`` returns the chosen
     token's log-probability and the ``k`` most likely alternatives at each step.
+    ``structured_outputs`` (a :class:`StructuredOutputsParams` or its fields as a dict)
+    constrains every draw to a JSON schema, any JSON object, a regex or a grammar.
     """
 
     n: int = 1
@@ -36,10 +40,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

@@ -90,6 +90,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
+        seq.draft_ids = []
         self.bm.free_seq(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -123,9 +124,13 @@ class Scheduler:
             copy = self.bm.append_slot(seq)
             if copy is not None:
                 out.copies.append(copy)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1, True))
+            # drafts take no block that a sequence still to be scheduled may need for its own token
+            reserve = len(self.running) - len(out.chunks) - 1
+            k = self.bm.append_draft_slots(seq, min(len(seq.draft_ids), budget - 1), reserve) if seq.draft_ids else 0
+            del seq.draft_ids[k:]
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed, 1 + k, True, num_draft=k))
             scheduled.add(seq.seq_id)
-            budget -= 1
+            budget -= 1 + k
 
         # 2. prompt chunks: continuations of split prompts, then new arrivals (FCFS)
         for seq in self.running:

@@ -44,6 +44,8 @@ class Sequence:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     pending_fork: bool = False  # n > 1: fork the siblings at the first sample
+    draft_ids: list[int] = field(default_factory=list)
+    matcher: object | None = None  # structured outputs: the grammar state (llguidance.LLMatcher)  # speculative tokens fed after the last sampled one
     # detokenizer state (owned by the engine)
     text: str = ""
     emitted_chars: int = 0
@@ -53,6 +55,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def fed_tokens(self, start: int, n: int) -> list[int]:
+        """The ``n`` tokens a pass feeds from position ``start``: known tokens, then drafts."""
+        known = self.tokens[start : start + n]
+        return known + self.draft_ids[: n - len(known)] if len(known) < n else known
 
     @property
     def num_tokens(self) -> int:
@@ -75,12 +82,20 @@ class Sequence:
 @dataclass
 class ScheduledChunk:
     """``num_tokens`` tokens of ``seq`` starting at ``seq.num_computed`` go into this pass;
-    ``sample`` is true when the chunk ends the known tokens (a token is then drawn)."""
+    ``sample`` is true when the chunk ends the known tokens (a token is then drawn).
+    ``num_draft``: the last of the chunk's tokens are speculative drafts (``seq.draft_ids``),
+    and the pass returns a row of logits for every token of the chunk."""
 
     seq: Sequence
     start: int
     num_tokens: int
     sample: bool
+    num_draft: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits the pass returns for this chunk."""
+        return (1 + self.num_draft) if self.sample else 0
 
 
 @dataclass

@@ -35,6 +35,8 @@ from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.server_guard import Guard, error_response, parse_json_object, read_body, uvicorn_limits
+from zeal.inference.structured import StructuredOutputsParams
+from zeal.inference.tools import allowed_tools, call_schema, forced, parse_tool_calls
 
 __all__ = ["AppState", "ServerLimits", "build_app", "uvicorn_limits"]
 
@@ -56,6 +58,11 @@ class AppState:
     @property
     def engine(self) -> LLMEngine:
         return self.aengine.engine
+
+    def token_bytes(self, t: int) -> list[int] | None:
+        """One token's bytes (None without a tokenizer)."""
+        tok = self.engine.tokenizer
+        return tok.token_bytes(t) if tok is not None else None
 
     def token_str(self, t: int) -> str:
         """One token as text, special tokens included (ids as text without a tokenizer)."""
@@ -331,6 +338,8 @@ async def metrics(state: AppState, request: Request) -> PlainTextResponse:
         "zeal_kv_cache_usage_ratio": (bm.num_used_blocks / bm.num_blocks, "Fraction of KV blocks in use."),
         "zeal_generation_tokens_per_second": (engine.metrics.tokens_per_second(),
                                               "Generated tokens per second over the last 10 s."),
+        "zeal_spec_decode_draft_acceptance_rate": (engine.metrics.spec_acceptance_rate(),
+                                                   "Speculative draft tokens accepted / proposed (0: none yet)."),
     }
     return PlainTextResponse(engine.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
@@ -391,13 +400,19 @@ async def completions(state: AppState, request: Request) -> Response | dict:
                                           "total_tokens": ptoks + ctoks}}
 
 
-def _chat_logprobs(state: AppState, c: CompletionOutput) -> dict | None:
+def _chat_logprobs(state: AppState, c: CompletionOutput, last: int | None = None) -> dict | None:
+    """OpenAI's ``choices[].logprobs``: per generated token (the ``last`` ones when given),
+    its text, log-probability, bytes and ``top_logprobs`` alternatives, most likely first."""
     if c.logprobs is None:
         return None
-    ts = state.token_str
-    return {"content": [{"token": ts(x["token"]), "logprob": x["logprob"], "bytes": None,
-                         "top_logprobs": [{"token": ts(t), "logprob": v, "bytes": None}
-                                          for t, v in x["top_logprobs"].items()]} for x in c.logprobs]}
+    entries = c.logprobs if last is None else c.logprobs[len(c.logprobs) - last :] if last else []
+
+    def item(t: int, lp: float) -> dict:
+        return {"token": state.token_str(t), "logprob": lp, "bytes": state.token_bytes(t)}
+
+    return {"content": [item(x["token"], x["logprob"]) | {
+        "top_logprobs": [item(t, v) for t, v in sorted(x["top_logprobs"].items(), key=lambda kv: -kv[1])]}
+        for x in entries]}
 
 
 def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
@@ -405,8 +420,19 @@ def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": ct, "total_tokens": prompt_tokens + ct}
 
 
-def _chat_chunks(cid: str, name: str, prompt_tokens: int, include_usage: bool):
-    """The chunk maker of one streamed chat completion: the role first, then content deltas."""
+def _chat_message(c: CompletionOutput, funcs: list[dict] | None) -> tuple[dict, str | None]:
+    """The assistant message of a choice and its finish reason: parsed tool calls when the
+    answer is a call to one of ``funcs``, else the text."""
+    calls = parse_tool_calls(c.text, funcs) if funcs else None
+    if calls:
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": c.text}, c.finish_reason
+
+
+def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
+                 calls_only: list[dict] | None = None):
+    """The chunk maker of one streamed chat completion: the role first, then content deltas.
+    ``calls_only``: a forced tool call, sent whole as one ``tool_calls`` delta at its end."""
     started: set[int] = set()
 
     def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
@@ -416,10 +442,21 @@ def _chat_chunks(cid: str, name: str, prompt_tokens: int, include_usage: bool):
             if c.index not in started:
                 started.add(c.index)
                 delta["role"] = "assistant"
+            if calls_only is not None:
+                if c.finish_reason:
+                    msg, reason = _chat_message(c, calls_only)
+                    delta["tool_calls"] = [{"index": k} | t for k, t in enumerate(msg.get("tool_calls") or [])]
+                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                               "finish_reason": reason}]}
+                elif delta:
+                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                               "finish_reason": None}]}
+                continue
             if c.delta_text:
                 delta["content"] = c.delta_text
-            if delta or c.finish_reason:
-                yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
+            if delta or c.finish_reason or (c.logprobs is not None and c.delta_token_ids):
+                lp = _chat_logprobs(state, c, len(c.delta_token_ids))
+                yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
                                            "finish_reason": c.finish_reason}]}
         if include_usage and out.finished:
             yield base | {"choices": [], "usage": _usage(prompt_tokens, out)}
@@ -434,23 +471,48 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     if tok is None:
         raise APIError(400, "this model has no tokenizer: chat is unavailable")
     msgs = [m.template_dict() for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if req.tool_choice not in (None, "none", "auto") and not tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice")
     try:
-        prompt = tok.encode_chat(msgs)
+        prompt = tok.encode_chat(msgs, tools=tools)
     except Exception as e:  # template errors (e.g. unsupported roles) are the caller's
         raise APIError(400, f"chat template failed: {e}", param="messages") from None
     max_tokens = check_length(state.engine, prompt, req.max_completion_tokens or req.max_tokens, None)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    funcs = _tool_functions(tools, req.tool_choice, params)
     cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_response(agen, _chat_chunks(cid, name, len(prompt), usage))
+        only = funcs if forced(req.tool_choice) else None
+        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, only))
     final = (await collect_or_error(agen, request))[0]
+    choices = []
+    for c in final.outputs:
+        msg, reason = _chat_message(c, funcs)
+        choices.append({"index": c.index, "message": msg, "logprobs": _chat_logprobs(state, c),
+                        "finish_reason": reason})
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": name,
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": _chat_logprobs(state, c), "finish_reason": c.finish_reason}
-                        for c in final.outputs],
-            "usage": _usage(len(prompt), final)}
+            "choices": choices, "usage": _usage(len(prompt), final)}
+
+
+def _tool_functions(tools: list[dict] | None, choice: str | dict | None, params: SamplingParams) -> list[dict] | None:
+    """The functions a call may name (None: no tool calls); a forced choice constrains ``params``
+    to a call of them."""
+    if not tools or choice == "none":
+        return None
+    try:
+        funcs = allowed_tools(tools, choice)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tool_choice") from None
+    if forced(choice):
+        if params.structured_outputs is not None:
+            raise APIError(400, "a forced tool_choice cannot be combined with response_format", param="tool_choice")
+        params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+    return funcs
 
 
 BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,

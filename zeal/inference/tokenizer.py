@@ -67,8 +67,28 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat; a plain ``role: content`` format when the model has no template."""
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The bytes one token stands for (OpenAI's ``bytes`` of a logprob): byte-level BPE
+        pieces mapped back through GPT-2's byte alphabet, ``<0xNN>`` byte-fallback pieces as
+        their byte, anything else (special tokens included) as the UTF-8 of its text. A token
+        that is part of a multi-byte character keeps its own bytes, not U+FFFD."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return list(self.decode([token_id], skip_special_tokens=False).encode())
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+        if type(self.tok.decoder).__name__ == "ByteLevel" and self.tok.token_to_id(piece) == token_id:
+            table = _byte_level_inverse()
+            if all(ch in table for ch in piece):
+                return [table[ch] for ch in piece]
+        return list(self.decode([token_id], skip_special_tokens=False).encode())
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for a chat (``tools``: OpenAI tool specs, for templates that render
+        them); a plain ``role: content`` format when the model has no template."""
         if not self.chat_template:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
@@ -88,8 +108,27 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Render then tokenize; special tokens in the template text are recognised, none added."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+
+_BYTE_LEVEL: dict[str, int] = {}
+
+
+def _byte_level_inverse() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for
+    themselves, the other 68 are shifted to code points 256 and up, in byte order."""
+    if not _BYTE_LEVEL:
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        extra = 0
+        for b in range(256):
+            if b in printable:
+                _BYTE_LEVEL[chr(b)] = b
+            else:
+                _BYTE_LEVEL[chr(256 + extra)] = b
+                extra += 1
+    return _BYTE_LEVEL

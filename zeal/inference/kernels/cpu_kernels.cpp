@@ -497,11 +497,11 @@ void chunk_attention_impl(const ChunkArgs& a, const T* qp, const T* kp, const T*
 }
 
 #if defined(__AVX512BF16__)
-// bf16 with AVX512-BF16 dot products (vdpbf16ps: 16 fp32 lanes, each += a pair of bf16
-// products), twice the fp32 FMA rate. Keys are laid out as (dimension pair, key) words and
-// values as (key pair, dimension) words; probabilities are rounded to bf16 (as eager bf16
-// attention does) and the softmax sum adds the rounded values, so the output stays an
-// exact weighted mean of the values.
+// bf16 scores with AVX512-BF16 dot products (vdpbf16ps: 16 fp32 lanes, each += a pair of
+// bf16 products, exact in fp32), twice the fp32 FMA rate; keys are laid out as (dimension
+// pair, key) words. The probabilities stay fp32 for the value product (values in fp32
+// tiles, as in chunk_attention_impl): rounding them to bf16 first costs greedy answers
+// (SmolLM2's "capital of France" turned on it), which the torch bf16 path keeps.
 template <int RB>
 inline void tile_scores_bf16(const uint32_t* q, int64_t qstride, int64_t npairs, const uint32_t* kp, float scale,
                              float* S) {
@@ -521,26 +521,6 @@ inline void tile_scores_bf16(const uint32_t* q, int64_t qstride, int64_t npairs,
     for (int c = 0; c < KTV; ++c) _mm512_storeu_ps(S + r * KT + c * W, _mm512_mul_ps(acc[r][c], sc));
 }
 
-template <int C, int RB>
-inline void tile_values_bf16(const uint16_t* P, const float* corr, const uint32_t* vp, int64_t npairs, float* o) {
-  constexpr int64_t HP = C * W;
-  __m512 acc[RB][C];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * HP + c * W), _mm512_set1_ps(corr[r]));
-  for (int64_t t2 = 0; t2 < npairs; ++t2) {
-    __m512bh v[C];
-    for (int c = 0; c < C; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + t2 * HP + c * W);
-    for (int r = 0; r < RB; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, P + r * KT + 2 * t2, sizeof pair);
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], b, v[c]);
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * HP + c * W, acc[r][c]);
-}
-
 template <int C>
 void chunk_attention_bf16(const ChunkArgs& a, const c10::BFloat16* qp, const c10::BFloat16* kp,
                           const c10::BFloat16* vp, const int32_t* table, c10::BFloat16* op) {
@@ -550,16 +530,16 @@ void chunk_attention_bf16(const ChunkArgs& a, const c10::BFloat16* qp, const c10
   const int64_t NP = a.HD / 2;  // dimension pairs
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kp);
-  const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vp);
   const uint16_t* q16 = reinterpret_cast<const uint16_t*>(qp);
-  std::vector<uint32_t> kt(ntiles * NP * KT), vt(ntiles * (KT / 2) * HP);
+  std::vector<uint32_t> kt(ntiles * NP * KT);
+  std::vector<float> vt(ntiles * KT * HP);
   for (int64_t h = 0; h < a.NKV; ++h) {
     at::parallel_for(0, ntiles, 1, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         uint32_t* ktj = kt.data() + j * NP * KT;
-        uint32_t* vtj = vt.data() + j * (KT / 2) * HP;
+        float* vtj = vt.data() + j * KT * HP;
         std::fill(ktj, ktj + NP * KT, 0u);
-        std::fill(vtj, vtj + (KT / 2) * HP, 0u);
+        std::fill(vtj, vtj + KT * HP, 0.f);
         for (int64_t t = 0; t < KT && j * KT + t < a.C; ++t) {
           const int64_t pos = j * KT + t;
           const int64_t off = ((static_cast<int64_t>(table[pos / a.BS]) * a.NKV + h) * a.BS + pos % a.BS) * a.HD;
@@ -568,18 +548,14 @@ void chunk_attention_bf16(const ChunkArgs& a, const c10::BFloat16* qp, const c10
             std::memcpy(&w, k16 + off + 2 * p, sizeof w);
             ktj[p * KT + t] = w;
           }
-          uint32_t* vrow = vtj + (t / 2) * HP;
-          const int shift = (t & 1) * 16;
-          for (int64_t d = 0; d < a.HD; ++d) vrow[d] |= static_cast<uint32_t>(v16[off + d]) << shift;
+          to_float(vp + off, vtj + t * HP, a.HD, HP);
         }
       }
     });
     parallel_strided(nq, [&](int64_t qi) {
       thread_local std::vector<uint32_t> qw;
-      thread_local std::vector<uint16_t> P;
       thread_local std::vector<float> o, S, mx, sum, corr;
-      qw.resize(M * NP), P.resize(M * KT), o.resize(M * HP), S.resize(M * KT), mx.resize(M), sum.resize(M),
-          corr.resize(M);
+      qw.resize(M * NP), o.resize(M * HP), S.resize(M * KT), mx.resize(M), sum.resize(M), corr.resize(M);
       const int64_t i0 = qi * QR, rows = std::min(QR, a.L - i0) * G;
       for (int64_t m = 0; m < rows; ++m)
         std::memcpy(qw.data() + m * NP, q16 + (i0 + m / G) * a.qs0 + (h * G + m % G) * a.HD, NP * sizeof(uint32_t));
@@ -597,28 +573,22 @@ void chunk_attention_bf16(const ChunkArgs& a, const c10::BFloat16* qp, const c10
         int64_t nkeys = 0;
         for (m = 0; m < rows; ++m) {
           float* sm = S.data() + m * KT;
-          uint16_t* pm = P.data() + m * KT;
           const int64_t see = std::min(KT, first + m / G - k0 + 1);
           nkeys = std::max(nkeys, see);
           if (see <= 0) {
-            std::fill(pm, pm + KT, uint16_t{0});
+            std::fill(sm, sm + KT, 0.f);
             corr[m] = 1.f;
             continue;
           }
           corr[m] = online_softmax(sm, KT, see, mx[m], sum[m], [&](int64_t c, vf e) {
-            const vu32 b = reinterpret_cast<const vu32&>(e);
-            const vu32 r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;  // round to bf16
-            const vu16 hi = __builtin_convertvector(r >> 16, vu16);
-            std::memcpy(pm + c, &hi, sizeof hi);
-            return reinterpret_cast<const vf&>(r);
+            vstore(sm + c, e);  // fp32 probabilities into the value product
+            return e;
           });
         }
-        const uint32_t* vtj = vt.data() + j * (KT / 2) * HP;
-        const int64_t npairs = (nkeys + 1) / 2;
+        const float* vtj = vt.data() + j * KT * HP;
         for (m = 0; m + RBV <= rows; m += RBV)
-          tile_values_bf16<C, RBV>(P.data() + m * KT, corr.data() + m, vtj, npairs, o.data() + m * HP);
-        for (; m < rows; ++m)
-          tile_values_bf16<C, 1>(P.data() + m * KT, corr.data() + m, vtj, npairs, o.data() + m * HP);
+          tile_values<C, RBV>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
+        for (; m < rows; ++m) tile_values<C, 1>(S.data() + m * KT, corr.data() + m, vtj, nkeys, o.data() + m * HP);
       }
       for (int64_t m = 0; m < rows; ++m) {
         float* om = o.data() + m * HP;

@@ -1,0 +1,145 @@
+"""Structured outputs: grammars that constrain sampling, through llguidance (optional extra
+``structured``: ``pip install zeal[structured]``).
+
+A request's :class:`StructuredOutputsParams` (vLLM's name) holds one constraint: a JSON
+schema (``json``), any JSON object (``json_object``), a regular expression (``regex``) or
+a Lark grammar (``grammar``). Each sequence that carries one gets its own matcher; before
+every draw the matcher's mask of allowed next tokens sets the others' logits to -inf (so
+greedy and sampled draws, penalties and truncation all see only allowed tokens), and the
+drawn token then advances the matcher. When the grammar is complete and nothing may follow,
+the sequence ends with ``finish_reason="stop"``; when it is complete but may go on (an
+accepting state), end-of-sequence is among the allowed tokens.
+
+JSON is generated compact (no optional whitespace) unless the schema's ``x-guidance``
+says otherwise: bounded schemas then give bounded outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from zeal.inference.tokenizer import Tokenizer
+
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint: ``json`` (a JSON schema, dict or string), ``json_object``
+    (any JSON object), ``regex`` or ``grammar`` (Lark syntax, as llguidance reads it)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n, v in (("json", self.json), ("json_object", self.json_object or None),
+                                ("regex", self.regex), ("grammar", self.grammar)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, grammar; got "
+                             f"{', '.join(given) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured outputs: json is not a valid JSON schema document: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured outputs: json must be a JSON schema object")
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar of the constraint."""
+        import llguidance
+
+        M = llguidance.LLMatcher
+        if self.json is not None:
+            return M.grammar_from_json_schema(self.json, defaults=JSON_DEFAULTS)
+        if self.json_object:
+            return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        if self.regex is not None:
+            return M.grammar_from_regex(self.regex)
+        return M.grammar_from_lark(self.grammar)
+
+
+def _require_llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("structured outputs need llguidance: pip install 'zeal[structured]'") from None
+    return llguidance
+
+
+class GrammarCompiler:
+    """Matchers for one engine's tokenizer (its token bytes read once, on first use)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
+        self._ll = None
+
+    def _ll_tokenizer(self):
+        llguidance = _require_llguidance()
+        if self._ll is None:
+            tok = self.tokenizer
+            if tok is None:
+                raise ValueError("structured outputs need the model's tokenizer")
+            if not self.eos:
+                raise ValueError("structured outputs need an end-of-sequence token")
+            self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tok, self.eos)),
+                                              n_vocab=self.vocab_size, eos_token=self.eos)
+        return self._ll
+
+    def matcher(self, params: StructuredOutputsParams) -> Any:
+        """A fresh matcher; ``ValueError`` naming the problem for a grammar that does not compile."""
+        llguidance = _require_llguidance()
+        try:
+            text = params.grammar_text()
+        except ValueError as e:
+            raise ValueError(f"structured outputs: {e}") from None
+        m = llguidance.LLMatcher(self._ll_tokenizer(), text, log_level=0)
+        if m.is_error():
+            raise ValueError(f"structured outputs: the grammar does not compile: {m.get_error()}")
+        return m
+
+
+class _TokenTable:
+    """What llguidance's TokenizerWrapper reads: every token's bytes (special tokens, the
+    end-of-sequence ids among them, as 0xFF + their name: llguidance's convention, which
+    keeps them out of the text a grammar matches), their ids, and encoding."""
+
+    def __init__(self, tok: Tokenizer, eos: list[int]) -> None:
+        special = {i for i, a in tok.tok.get_added_tokens_decoder().items() if a.special} | set(eos)
+        n = tok.tok.get_vocab_size(with_added_tokens=True)
+        self.tokens = [b"\xff" + (tok.tok.id_to_token(i) or "").encode() if i in special
+                       else bytes(tok.token_bytes(i)) for i in range(n)]
+        self.special_token_ids = sorted(special)
+        self.eos_token_id, self.bos_token_id = eos[0], None
+        self._tok = tok
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+def allowed_mask(matcher: Any, vocab_size: int) -> torch.Tensor:
+    """``(vocab_size,)`` bool: the tokens the matcher allows next."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    out = np.zeros(vocab_size, dtype=bool)
+    n = min(vocab_size, bits.size)
+    out[:n] = bits[:n].astype(bool)
+    return torch.from_numpy(out)
+
+
+def mask_rows(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
+    """``logits (S, V)`` with the disallowed tokens of row ``i`` at -inf, for the rows whose
+    matcher is not None (a copy when any row is masked)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        logits[i].masked_fill_(~allowed_mask(matchers[i], logits.shape[-1]), float("-inf"))
+    return logits
