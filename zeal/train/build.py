@@ -11,8 +11,10 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    (:mod:`zeal.dist.mesh`); batch arithmetic resolved against the data-parallel size;
 3. ``apply_precision``: the compute dtype, buffers cast to it, the fp16 loss scaler;
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
-5. (to come, in this order: token dropping, compression, tensor parallelism, MoE — each
-   changes the modules before ZeRO flattens their parameters);
+5. (to come, in this order: token dropping, compression, tensor parallelism — each
+   changes the modules before ZeRO flattens their parameters); ``apply_moe``: each MoE
+   layer keeps this rank's experts and takes ``mesh.ep`` (the mesh's ep size is the
+   model's MoE ``ep_size``);
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -35,6 +37,7 @@ from zeal.config import AutoValues, Config, ConfigError, load_config
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
+from zeal.moe.apply import apply_moe, model_ep_size
 from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.engine import EngineParts, TrainEngine
@@ -80,7 +83,7 @@ def initialize(
     del dist_init_required  # joining the job is decided by torchrun's environment
     model = _instantiate(model)
     cfg = load_config(config if config is not None else config_params, _auto_values(model, optimizer))
-    mesh = _mesh(cfg)
+    mesh = _mesh(cfg, model_ep_size(model))
     try:
         _, micro, accum = cfg.resolve_batch(mesh.dp_size)
     except ValueError as e:
@@ -94,7 +97,9 @@ def initialize(
     if precision.dtype == torch.float16 and mesh.device.type == "cpu" and mesh.rank == 0:
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    # (to come: apply_token_drop, apply_compression, apply_tensor_parallel, apply_moe)
+    # (to come: apply_token_drop, apply_compression, apply_tensor_parallel)
+    dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
+    groups = [[p for p in g if id(p) not in dropped] for g in groups]
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
@@ -117,7 +122,7 @@ def initialize(
     return engine
 
 
-def _mesh(cfg: Config) -> Mesh:
+def _mesh(cfg: Config, ep: int = 1) -> Mesh:
     """Join the job (torchrun's environment) and build every group once. ZeRO++'s node
     groups are built only when a ZeRO++ option is on."""
     try:
@@ -129,7 +134,7 @@ def _mesh(cfg: Config) -> Mesh:
     zc = cfg.zero_optimization
     zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
     try:
-        mesh = build_mesh(ctx, hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
+        mesh = build_mesh(ctx, ep=ep, hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if resolve_stage(zc.stage).partitions_params or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):

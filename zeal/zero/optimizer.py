@@ -29,11 +29,14 @@ from zeal.zero.units import FlatUnit
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
-                       clip: float) -> tuple[bool, float]:
+                       clip: float, experts: list[bool] | None = None, ep: Comm | None = None) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
     Stage 0 holds the whole mean gradient on every rank, so its norm needs no
-    communication; stages 1–3 sum squared shard norms over ranks."""
+    communication; stages 1–3 sum squared shard norms over ranks. MoE: ``experts`` flags
+    the expert gradients; at stage 0 their squared norms are summed over ``ep`` (each
+    rank holds whole local experts), at stages 1–2 the dp sum already covers every
+    expert shard once (dp = ep × edp)."""
     if scaler is not None:
         inv = 1.0 / scaler.scale
         for g in grads:
@@ -44,7 +47,11 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
         if bad:
             return False, float("inf")
     # per-tensor fp32 norms (no full-size temporaries), summed in double
-    sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+    sqs = [float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads]
+    sq = sum(sqs)
+    if ep is not None and experts is not None and not stage.norm_needs_reduce():
+        expert_sq = sum(s for s, e in zip(sqs, experts) if e)
+        sq = sq - expert_sq + ep.all_reduce_scalar(expert_sq, "sum")
     if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
     norm = math.sqrt(sq)
@@ -96,7 +103,8 @@ class ZeroOptimizer:
             g = self.reducer.reduced_grad(u)
             m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
-        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip)
+        ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
+                                                     [u.expert for u in self.units], getattr(self.reducer, "ep", None))
         if not ok:
             self.skipped_steps += 1
             self._drop_grads()
