@@ -24,10 +24,13 @@ class TinyMoENet(nn.Module):
         expert = nn.Sequential(nn.Linear(DIM, 16), nn.GELU(), nn.Linear(16, DIM))
         self.moe = MoE(DIM, expert, EXPERTS, ep_size=ep_size, k=k, drop_tokens=False, use_rts=False,
                        top2_2nd_expert_sampling=False, dispatch=dispatch)
-        for i, e in enumerate(self.moe.deepspeed_moe.experts.deepspeed_experts.values()):
-            with torch.no_grad():  # experts start different (DeepSpeed's copies start equal)
+        for g, e in self.moe.deepspeed_moe.experts.deepspeed_experts.items():
+            # experts start different (DeepSpeed's copies start equal), by global index, so a
+            # layer built after init_process_group (this rank's experts only) gets the same
+            gen = torch.Generator().manual_seed(100 + int(g))
+            with torch.no_grad():
                 for p in e.parameters():
-                    p.add_(0.05 * (i + 1) * torch.randn_like(p))
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
         if skew:
             w = self.moe.deepspeed_moe.gate.wg.weight
             with torch.no_grad():

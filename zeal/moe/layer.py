@@ -92,12 +92,13 @@ class MOELayer(nn.Module):
         self.bound = ep_size == 1
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
+        self.gate_capacity = 0  # the last forward's capacity C
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         d = x.shape[-1]
         flat = x.reshape(-1, d)
         r = self.gate(flat, used_token)
-        self.l_aux, self.exp_counts = r.l_aux, r.exp_counts
+        self.l_aux, self.exp_counts, self.gate_capacity = r.l_aux, r.exp_counts, r.capacity
         if self.dispatch == "sort":
             buf, state = dispatch_sort(flat, r)
         else:
