@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from zeal.models.gpt import GPT, GPTConfig
+from zeal.models.hf_moe import MOE_TYPES, mixtral_config, mixtral_state_from_hf
 from zeal.models.llama import Llama, LlamaConfig
 from zeal.utils.paths import cache_dir
 
@@ -88,8 +89,10 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
         with torch.device("meta"):
             model: nn.Module = GPT(gpt2_config_from_hf(cfg))
         sd = gpt2_state_from_hf(sd)
-    elif mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
-        lcfg = LlamaConfig.from_hf(cfg)
+    elif mt in MOE_TYPES or mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
+        lcfg = mixtral_config(cfg) if mt in MOE_TYPES else LlamaConfig.from_hf(cfg)
+        if mt in MOE_TYPES:
+            sd = mixtral_state_from_hf(sd)
         with torch.device("meta"):
             model = Llama(lcfg)
         if lcfg.tie_word_embeddings or "lm_head.weight" not in sd:
