@@ -65,13 +65,18 @@ def test_eval_routes_every_token_like_one_at_a_time(make):
 
 def test_gpt_moe_trains_through_initialize():
     import zeal
+    from zeal.config.job import JobSpec
+    from zeal.train.job import build_model
 
-    m = _gpt(top_k=2)
-    engine = zeal.initialize(m, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+    spec = JobSpec.model_validate({"model": {"n_layer": 2, "n_embd": 16, "n_head": 2, "num_experts": 4, "top_k": 2},
+                                   "data": {"seq_len": 16}})
+    factory = build_model(spec, 61)  # zeal train's model: built on the meta device, materialised by ZeRO
+    engine = zeal.initialize(factory, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
                                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})
     torch.manual_seed(5)
     x = torch.randint(0, 61, (2, 12))
     losses = []
+    assert sum(isinstance(mod, MoEMLP) for mod in engine.module.modules()) == 1
     for _ in range(8):
         loss = engine(x, x)
         engine.backward(loss)
