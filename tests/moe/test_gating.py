@@ -145,3 +145,14 @@ def test_experts_named_by_global_index():
     assert not res.missing_keys and {k.split(".")[3] for k in res.unexpected_keys} == {"0", "1"}
     for name, t in part.state_dict().items():
         assert torch.equal(t, full.state_dict()[name]), name
+
+
+def test_deepspeed_import_path_and_param_groups():
+    import zeal.deepspeed as deepspeed
+
+    moe = deepspeed.moe.layer.MoE(6, nn.Linear(6, 6), 2)
+    groups = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(moe.parameters()), "lr": 0.1})
+    assert [len(g["params"]) for g in groups] == [1, 4]  # router | 2 experts x (weight, bias)
+    assert groups[1]["moe"] and groups[1]["lr"] == 0.1
+    assert all(deepspeed.moe.utils.is_moe_param(p) for p in groups[1]["params"])
