@@ -84,3 +84,28 @@ def test_gpt_moe_trains_through_initialize():
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] - 0.1
     engine.close()
+
+
+def test_checkpoint_resumes_and_stage3_is_refused(tmp_path):
+    import zeal
+    from tests.moe.models import TinyMoENet, batches
+    from zeal.config import ConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    torch.manual_seed(0)
+    engine = zeal.initialize(TinyMoENet(), cfg)
+    data = batches(3, 1)
+    for step in data[:2]:
+        engine.backward(engine(*step[0]))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    with torch.no_grad():
+        expected = float(engine(*data[2][0]))
+    torch.manual_seed(1)
+    other = zeal.initialize(TinyMoENet(), cfg)
+    other.load_checkpoint(str(tmp_path))
+    with torch.no_grad():
+        assert float(other(*data[2][0])) == expected
+    with pytest.raises(ConfigError, match="stage 3 with MoE expert parameters"):
+        zeal.initialize(TinyMoENet(), {**cfg, "zero_optimization": {"stage": 3}})
