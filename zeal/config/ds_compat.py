@@ -74,7 +74,7 @@ NO_EFFECT: dict[str, str] = {
     "comms_config": "not a DeepSpeed key either", "timers": "see engine.wall_clock_breakdown()",
     "train_micro_batch_size_per_gpu_auto": "not a DeepSpeed key either",
     "dataloader_drop_last": "zeal's data loader always drops the last partial batch",
-    "use_data_before_expert_parallelism_": "zeal has no expert parallelism",
+    "use_data_before_expert_parallelism_": "zeal's MoE layers route each rank's own tokens (zeal.moe)",
     "seq_parallel_communication_data_type": "zeal has no sequence parallelism",
     "compile": "torch.compile is the caller's choice (engine.module can be compiled)",
     "tensor_parallel.tp_overlap_comm": "zeal's tensor-parallel all-reduces run in order",

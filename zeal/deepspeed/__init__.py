@@ -8,7 +8,8 @@
 
 What is here: :func:`initialize` (DeepSpeed's signature and 4-tuple), :func:`init_distributed`,
 ``zero.Init`` / ``zero.GatheredParameters`` (:mod:`zeal.deepspeed.zero`),
-``checkpointing.checkpoint`` (:mod:`zeal.deepspeed.checkpointing`) and the engine's
+``checkpointing.checkpoint`` (:mod:`zeal.deepspeed.checkpointing`), ``moe.layer.MoE``
+(:mod:`zeal.moe`) and the engine's
 DeepSpeed-shaped methods (:class:`DeepSpeedEngine`). ``zeal.initialize`` stays the native
 entry point (it returns the engine alone).
 """
@@ -19,10 +20,10 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zeal.deepspeed import checkpointing, zero
+from zeal.deepspeed import checkpointing, moe, zero
 from zeal.deepspeed.engine import DeepSpeedEngine
 
-__all__ = ["DeepSpeedEngine", "checkpointing", "init_distributed", "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "checkpointing", "init_distributed", "initialize", "moe", "zero"]
 __version__ = "0.19.0+zeal"
 
 

@@ -162,6 +162,16 @@ class Comm:
             work.wait()
         return work
 
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, kind: str) -> None:
+        """Rank i's ``out`` chunk j (dim 0 split into ``size`` equal chunks) receives rank j's
+        ``inp`` chunk i. Counts ``inp.numel()`` logical elements; the bytes leaving this rank
+        are the (N-1)/N of ``inp`` addressed to the other ranks."""
+        if not self.active:
+            out.copy_(inp)
+            return
+        self._account("all_to_all", kind, inp.numel(), inp.element_size())
+        dist.all_to_all_single(out, inp.contiguous(), group=self.group)
+
     def broadcast(self, t: torch.Tensor, src: int, kind: str) -> None:
         if not self.active:
             return

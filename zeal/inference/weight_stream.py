@@ -329,6 +329,9 @@ def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.devi
         raise ValueError("weights_offload 'cpu' streams host memory to an accelerator; with device 'cpu' "
                          "use weights_offload 'disk'")
     sk = hf_skeleton(path)
+    if sk.whole is not None:
+        raise ValueError(f"weights_offload: model_type {sk.config.get('model_type')!r} is not streamed yet "
+                         "(its checkpoint needs a whole-state rewrite); serve it without weights_offload")
     layers = sk.model.layer_stack()
     prefix = next(n for n, m in sk.model.named_modules() if m is layers)
     layer_of = {f"{prefix}.{i}.{n}": (i, n) for i, layer in enumerate(layers) for n, _ in layer.named_parameters()}

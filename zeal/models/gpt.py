@@ -23,6 +23,7 @@ from torch import nn
 
 from zeal.models.attention import DENSE, Attention, fused_ops
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
+from zeal.models.moe_mlp import MoEMLP, check_moe_config, is_moe_block, moe_aux_loss
 
 
 @dataclass
@@ -36,10 +37,18 @@ class GPTConfig:
     n_head: int = 4
     dropout: float = 0.0
     layer_norm_epsilon: float = 1e-5
+    # mixture of experts (zeal.models.moe_mlp): 0 experts = dense
+    num_experts: int = 0
+    moe_every: int = 2
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    aux_loss_coef: float = 0.01
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd {self.n_embd} is not divisible by model.n_head {self.n_head}")
+        check_moe_config(self.num_experts, self.moe_every, self.top_k, self.capacity_factor, self.ep_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,8 +56,11 @@ class GPTConfig:
     def num_parameters(self) -> int:
         """Parameter count with the tied head counted once."""
         d, v, p, n_layer = self.n_embd, self.vocab_size, self.n_positions, self.n_layer
-        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
-        return v * d + p * d + n_layer * block + 2 * d
+        mlp = (d * 4 * d + 4 * d) + (4 * d * d + d)
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + mlp
+        moe_blocks = sum(is_moe_block(self.num_experts, self.moe_every, i) for i in range(n_layer))
+        extra = moe_blocks * ((self.num_experts - 1) * mlp + d * self.num_experts)  # more experts, the router
+        return v * d + p * d + n_layer * block + 2 * d + extra
 
 
 class LayerNorm(nn.LayerNorm):
@@ -114,6 +126,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer_idx)
         self.ln_2 = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
+        if is_moe_block(cfg.num_experts, cfg.moe_every, layer_idx):
+            self.mlp = MoEMLP(cfg.n_embd, self.mlp, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.ep_size)
 
     def forward(self, x: torch.Tensor, attention: Attention = DENSE) -> torch.Tensor:
         ops = fused_ops(attention)
@@ -208,7 +222,9 @@ class GPT(nn.Module, Checkpointable):
         h = tr.ln_f(x, ops=fused_ops(attention))
         if labels is None:
             return self.lm_head(h)
-        return causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
+        loss = causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
+        aux = moe_aux_loss(self) if self.config.num_experts else None
+        return loss if aux is None else loss + self.config.aux_loss_coef * aux
 
     @torch.no_grad()
     def generate(

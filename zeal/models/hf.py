@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from zeal.models.gpt import GPT, GPTConfig
+from zeal.models.hf_moe import MOE_TYPES, mixtral_config, mixtral_state_from_hf
 from zeal.models.llama import Llama, LlamaConfig
 from zeal.utils.paths import cache_dir
 
@@ -90,13 +91,15 @@ def _llama_tensor(name: str, t: torch.Tensor | None) -> list[tuple[str, torch.Te
 class HFSkeleton:
     """A HF folder's model built on the meta device, its config, how a checkpoint tensor
     becomes the model's (``convert(name, tensor)`` → ``[(model name, tensor)]``; with
-    ``tensor=None`` only the names), and the embedding a tied head takes."""
+    ``tensor=None`` only the names), the embedding a tied head takes, and a rewrite of the
+    whole state that must come first (Mixtral's experts), if any."""
 
     model: nn.Module
     config: dict
     convert: Callable[[str, torch.Tensor | None], list[tuple[str, torch.Tensor | None]]]
     embedding: str
     tied: bool
+    whole: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None  # a whole-state rewrite first
 
     def finish(self, state: dict[str, torch.Tensor], streamed: frozenset[str] = frozenset()) -> nn.Module:
         """Load ``state`` (the model's names; a missing or tied head takes the embedding),
@@ -130,11 +133,12 @@ def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
         with torch.device("meta"):
             model: nn.Module = GPT(gpt2_config_from_hf(cfg))
         return HFSkeleton(model, cfg, _gpt2_tensor, "transformer.wte.weight", True)
-    if mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
-        lcfg = LlamaConfig.from_hf(cfg)
+    if mt in MOE_TYPES or mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
+        lcfg = mixtral_config(cfg) if mt in MOE_TYPES else LlamaConfig.from_hf(cfg)
         with torch.device("meta"):
             model = Llama(lcfg)
-        return HFSkeleton(model, cfg, _llama_tensor, "model.embed_tokens.weight", lcfg.tie_word_embeddings)
+        return HFSkeleton(model, cfg, _llama_tensor, "model.embed_tokens.weight", lcfg.tie_word_embeddings,
+                          mixtral_state_from_hf if mt in MOE_TYPES else None)
     raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
 
 
@@ -144,8 +148,10 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
     sk = hf_skeleton(path)
     # fresh, aligned storage: safetensors hands out views at arbitrary byte offsets,
     # which BLAS kernels run markedly slower on
-    state = {name: t.to(dtype=dtype, copy=True)
-             for key, v in read_safetensors_folder(path).items() for name, t in sk.convert(key, v)}
+    raw = read_safetensors_folder(path)
+    if sk.whole is not None:
+        raw = sk.whole(raw)
+    state = {name: t.to(dtype=dtype, copy=True) for key, v in raw.items() for name, t in sk.convert(key, v)}
     return sk.finish(state), sk.config
 
 

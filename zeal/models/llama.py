@@ -25,6 +25,7 @@ from torch import nn
 
 from zeal.models.attention import DENSE, Attention, dense_causal_attention, fused_ops
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
+from zeal.models.moe_mlp import MoEMLP, check_moe_config, is_moe_block, moe_aux_loss
 
 __all__ = ["Llama", "LlamaConfig", "LlamaLayer", "Rope", "apply_rope", "dense_causal_attention", "rope_inv_freq"]
 
@@ -52,6 +53,13 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     extra: dict = field(default_factory=dict)
+    # mixture of experts (zeal.models.moe_mlp): 0 experts = dense; not a Hugging Face layout
+    num_experts: int = 0
+    moe_every: int = 2
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    aux_loss_coef: float = 0.01
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -61,6 +69,7 @@ class LlamaConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
+        check_moe_config(self.num_experts, self.moe_every, self.top_k, self.capacity_factor, self.ep_size)
 
     @classmethod
     def from_hf(cls, d: dict) -> LlamaConfig:
@@ -230,6 +239,8 @@ class LlamaLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        if is_moe_block(cfg.num_experts, cfg.moe_every, layer_idx):
+            self.mlp = MoEMLP(cfg.hidden_size, self.mlp, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.ep_size)
 
     @property
     def layer_idx(self) -> int:
@@ -342,7 +353,9 @@ class Llama(nn.Module, Checkpointable):
             return self.lm_head(h)
         if h.dim() == 2:  # a flat batch is one sequence
             h, labels = h[None], labels[None]
-        return causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
+        loss = causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)
+        aux = moe_aux_loss(self) if self.config.num_experts else None
+        return loss if aux is None else loss + self.config.aux_loss_coef * aux
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -367,4 +380,6 @@ class Llama(nn.Module, Checkpointable):
         ``transformers.LlamaForCausalLM.from_pretrained`` (see :func:`zeal.models.hf.save_hf_folder`)."""
         from zeal.models.hf import save_hf_folder
 
+        if self.config.num_experts:
+            raise ValueError("an MoE Llama (num_experts > 0) has no Hugging Face Llama layout to save as")
         return save_hf_folder(self, path)

@@ -13,8 +13,9 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
 5. ``apply_token_drop``: random-LTD on the layers the config names (:mod:`zeal.data.random_ltd`);
    (to come: compression) ``apply_tensor_parallel``: attention and MLP linears split over
-   ``mesh.tp`` (:mod:`zeal.parallel.tensor`); (to come: MoE) — each changes the modules
-   before ZeRO flattens their parameters;
+   ``mesh.tp`` (:mod:`zeal.parallel.tensor`); ``apply_moe``: each MoE layer keeps this
+   rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's MoE
+   ``ep_size``) — each changes the modules before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -39,6 +40,7 @@ from zeal.data.random_ltd import apply_token_drop
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
+from zeal.moe.apply import apply_moe, model_ep_size
 from zeal.parallel.norm import TPGradNorm
 from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
 from zeal.pipe.apply import apply_pipeline
@@ -88,7 +90,7 @@ def initialize(
     del dist_init_required  # joining the job is decided by torchrun's environment
     model = _instantiate(model)
     cfg = load_config(config if config is not None else config_params, _auto_values(model, optimizer))
-    mesh = _mesh(cfg)
+    mesh = _mesh(cfg, model_ep_size(model))
     try:
         _, micro, accum = cfg.resolve_batch(mesh.dp_size)
     except ValueError as e:
@@ -108,7 +110,8 @@ def initialize(
     tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
-    # (to come: apply_moe)
+    dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
+    groups = [[p for p in g if id(p) not in dropped] for g in groups]
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
@@ -150,7 +153,7 @@ def _token_drop(model: nn.Module, cfg: Config) -> Any:
         raise ConfigError(str(e)) from None
 
 
-def _mesh(cfg: Config) -> Mesh:
+def _mesh(cfg: Config, ep: int = 1) -> Mesh:
     """Join the job (torchrun's environment) and build every group once. ZeRO++'s node
     groups are built only when a ZeRO++ option is on."""
     try:
@@ -162,7 +165,7 @@ def _mesh(cfg: Config) -> Mesh:
     zc = cfg.zero_optimization
     zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
     try:
-        mesh = build_mesh(ctx, tp=max(cfg.tensor_parallel.autotp_size, 1), pp=cfg.pipeline_parallel.size,
+        mesh = build_mesh(ctx, tp=max(cfg.tensor_parallel.autotp_size, 1), pp=cfg.pipeline_parallel.size, ep=ep,
                           hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
     except ValueError as e:
         raise ConfigError(str(e)) from None

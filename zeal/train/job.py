@@ -83,7 +83,9 @@ def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module | Callable[[]
 
     m = spec.model
     cfg = GPTConfig(vocab_size=vocab_size, n_positions=spec.data.seq_len, n_embd=m.n_embd, n_layer=m.n_layer,
-                    n_head=m.n_head, dropout=m.dropout)
+                    n_head=m.n_head, dropout=m.dropout, num_experts=m.num_experts, moe_every=m.moe_every,
+                    top_k=m.top_k, capacity_factor=m.capacity_factor, aux_loss_coef=m.aux_loss_coef,
+                    ep_size=m.ep_size)
     return lambda: GPT(cfg)
 
 

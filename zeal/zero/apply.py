@@ -23,6 +23,8 @@ from zeal.config import ConfigError
 from zeal.config.schema import ZeroConfig
 from zeal.dist.comm import Comm
 from zeal.dist.mesh import Mesh
+from zeal.moe.layer import is_expert_param
+from zeal.moe.zero import ExpertSplitReducer, build_expert_units, refuse_partitioned, split_expert_groups
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.shard_home import DiskShards, MemoryShards
@@ -100,6 +102,8 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
     comm = mesh.dp
     home: MemoryShards | DiskShards = MemoryShards()
     needs = None
+    if stage.partitions_params:
+        refuse_partitioned(groups)  # MoE experts
     with torch.no_grad():
         if not stage.partitions_params:
             units = _replicated_layout(model, zc, comm, mesh, dtype, groups, init, seed)
@@ -128,10 +132,14 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
         coordinator = ParamCoordinator(
             model, units, needs, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
             zc.stage3_max_reuse_distance, zc.stage3_max_live_parameters)
-    reducer = GradReducer(units, comm, stage.grad_mode, overlap=zc.overlap_comm,
+    reducer = GradReducer([u for u in units if not u.expert], comm, stage.grad_mode, overlap=zc.overlap_comm,
                           max_inflight_elems=zc.reduce_bucket_size,
                           on_grads_taken=coordinator.on_grads_taken if coordinator else None,
                           scatter=coll.reduce_scatter if coll else None)
+    if any(u.expert for u in units):  # MoE: expert gradients reduced over edp only
+        reducer = ExpertSplitReducer(reducer, GradReducer(
+            [u for u in units if u.expert], mesh.edp, stage.grad_mode, overlap=zc.overlap_comm,
+            max_inflight_elems=zc.reduce_bucket_size, mean_over=mesh.dp_size), mesh.ep)
     hooks.append(ReducerHooks(reducer))
     if coordinator is not None:
         hooks.append(CoordinatorHooks(coordinator))
@@ -147,15 +155,18 @@ def _replicated_layout(model: nn.Module, zc: ZeroConfig, comm: Comm, mesh: Mesh,
         if not p.requires_grad:
             p.data = (torch.empty(p.shape, device=mesh.device, dtype=dtype) if p.is_meta
                       else p.data.to(device=mesh.device, dtype=dtype))
+    groups, expert_groups = split_expert_groups(groups)
     units = build_bucket_units(model, groups, zc.reduce_bucket_size, mesh.dp_rank, mesh.dp_size, dtype, mesh.device)
+    units += build_expert_units(model, expert_groups, zc.reduce_bucket_size, mesh.edp, mesh.edp_rank, len(units),
+                                dtype, mesh.device)
     replace_meta_parameters(model, units)
     if any(u.needs_init for u in units):
         _materialize_all(model, units, init, seed)
     for u in units:
-        comm.broadcast(u.full, 0, "init")
+        (u.comm or comm).broadcast(u.full, 0, "init")
     for p in model.parameters():
         if not p.requires_grad:
-            comm.broadcast(p.data, 0, "init")
+            (mesh.edp if is_expert_param(p) else comm).broadcast(p.data, 0, "init")
     return units
 
 

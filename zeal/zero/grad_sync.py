@@ -45,7 +45,8 @@ class GradReducer:
     def __init__(self, units: list[FlatUnit], comm: Comm, mode: str, overlap: bool = True,
                  max_inflight_elems: int = 500_000_000,
                  on_grads_taken: Callable[[FlatUnit], None] | None = None,
-                 scatter: Callable[[torch.Tensor, torch.Tensor], object] | None = None) -> None:
+                 scatter: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+                 mean_over: int | None = None) -> None:
         assert mode in MODES, mode
         self.units = [u for u in units if u.trainable]
         self.units_by_index = {u.index: u for u in self.units}
@@ -54,7 +55,7 @@ class GradReducer:
         self.on_grads_taken = on_grads_taken
         # how a complete flat gradient is reduce-scattered (ZeRO++ swaps in qgZ)
         self._scatter = scatter or (lambda out, flat: comm.reduce_scatter(out, flat, "grad", async_op=True))
-        self.world = comm.size
+        self.world = mean_over or comm.size  # reduced_grad divides by it (MoE experts: the dp size)
         self.full_grads: dict[int, torch.Tensor] = {}
         self.acc: dict[int, torch.Tensor] = {}       # summed shard per unit (stage 1: at boundary; 2/3: accumulated)
         self._flat: dict[int, torch.Tensor] = {}     # transient flat grads (scatter_every_step)

@@ -30,7 +30,8 @@ from zeal.zero.units import FlatUnit
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
-                       clip: float, tp_norm: Any = None, across: Comm | None = None) -> tuple[bool, float]:
+                       clip: float, tp_norm: Any = None, across: Comm | None = None,
+                       experts: list[bool] | None = None, ep: Comm | None = None) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
     Stage 0 holds the whole mean gradient on every rank, so its norm needs no
@@ -38,7 +39,9 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
     parallelism ``tp_norm`` (a :class:`~zeal.parallel.norm.TPGradNorm`) gives the local
     squared norm with split parameters summed over tp, and spreads overflows over tp.
     ``across`` (the pipeline stages, each holding other parameters) sums the flag and the
-    norm over it too."""
+    norm over it too. MoE: ``experts`` flags the expert gradients; at stage 0 their squared
+    norms are summed over ``ep`` (each rank holds whole local experts), at stages 1–2 the
+    dp sum already covers every expert shard once (dp = ep × edp)."""
     if scaler is not None:
         inv = 1.0 / scaler.scale
         for g in grads:
@@ -56,7 +59,11 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
     if tp_norm is not None:
         sq = tp_norm.sq(grads)
     else:
-        sq = sum(float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads)
+        sqs = [float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads]
+        sq = sum(sqs)
+        if ep is not None and experts is not None and not stage.norm_needs_reduce():
+            expert_sq = sum(s for s, e in zip(sqs, experts) if e)
+            sq = sq - expert_sq + ep.all_reduce_scalar(expert_sq, "sum")
     if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
     if across is not None:
@@ -113,7 +120,8 @@ class ZeroOptimizer:
             m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
-                                                         self.tp_norm, self.across)
+                                                         self.tp_norm, self.across, [u.expert for u in self.units],
+                                                         getattr(self.reducer, "ep", None))
         if not ok:
             self.skipped_steps += 1
             self._drop_grads()

@@ -25,7 +25,7 @@ from zeal.zero.units import FlatUnit
 def gather_replicated(comm: Comm, units: list[FlatUnit]) -> None:
     """Stages 1–2: after each rank updated its shard (a view of ``full``), rebuild every
     unit's full buffer."""
-    works = [comm.all_gather(u.full, u.shard, "param", async_op=True) for u in units]
+    works = [(u.comm or comm).all_gather(u.full, u.shard, "param", async_op=True) for u in units]
     for w in works:
         w.wait()
 

@@ -39,6 +39,8 @@ class FlatUnit:
         self.trainable = self.params[0].requires_grad
         self.group = group
         self.persistent = False  # ZeRO-3: kept gathered (small units)
+        self.expert = False  # MoE expert parameters (zeal.moe.zero): sharded over ``comm``
+        self.comm = None  # the Comm this unit is sharded over when not ZeRO's dp Comm (experts: edp)
         self.needs_init = any(p.is_meta for p in self.params)
         # A partitioned unit built from meta parameters gets no storage until it is
         # materialised, so building a model never holds more than one unit whole.

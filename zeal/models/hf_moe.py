@@ -1,0 +1,60 @@
+"""Hugging Face Mixtral folders as zeal Llama models with an MoE MLP in every layer.
+
+Mixtral is Llama-shaped except its MLP: a router ``gate`` (hidden → experts, no bias)
+and ``num_local_experts`` SwiGLU experts, each token going to its
+``num_experts_per_tok`` = 2 highest-probability experts with the two softmax
+probabilities renormalised — zeal's top-2 gating without capacity dropping (what eval
+and serving use). Expert weights come either per expert (``block_sparse_moe.experts.<j>
+.w1/w2/w3``: gate, down, up) or fused per layer as transformers 5 keeps them
+(``mlp.experts.gate_up_proj [E, 2I, d]``, gate rows first, and ``mlp.experts.down_proj
+[E, d, I]``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from zeal.models.llama import LlamaConfig
+
+MOE_TYPES = {"mixtral"}
+_EXPERTS = "mlp.moe.deepspeed_moe.experts.deepspeed_experts"
+_LEGACY = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def mixtral_config(d: dict) -> LlamaConfig:
+    """A Llama config with every layer's MLP an MoE of ``num_local_experts`` experts."""
+    cfg = LlamaConfig.from_hf(d)
+    cfg.num_experts = int(d["num_local_experts"])
+    cfg.top_k = int(d.get("num_experts_per_tok", 2))
+    cfg.moe_every = 1
+    cfg.aux_loss_coef = float(d.get("router_aux_loss_coef", 0.001))
+    cfg.__post_init__()  # checks the MoE shape (top_k 1 or 2)
+    return cfg
+
+
+def mixtral_state_from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face Mixtral names → zeal's (router and experts; the rest is Llama's)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        m = re.match(r"(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.(.*)$", name)
+        if m is None:
+            out[name] = t
+            continue
+        layer, rest = m.groups()
+        if rest == "gate.weight":
+            out[f"{layer}.mlp.moe.deepspeed_moe.gate.wg.weight"] = t
+        elif (e := re.match(r"experts\.(\d+)\.(w[123])\.weight$", rest)) is not None:
+            out[f"{layer}.{_EXPERTS}.{e.group(1)}.{_LEGACY[e.group(2)]}.weight"] = t
+        elif rest == "experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for j in range(t.shape[0]):
+                out[f"{layer}.{_EXPERTS}.{j}.gate_proj.weight"] = t[j, :inter]
+                out[f"{layer}.{_EXPERTS}.{j}.up_proj.weight"] = t[j, inter:]
+        elif rest == "experts.down_proj":
+            for j in range(t.shape[0]):
+                out[f"{layer}.{_EXPERTS}.{j}.down_proj.weight"] = t[j]
+        else:
+            raise ValueError(f"unexpected Mixtral tensor {name!r}")
+    return out
