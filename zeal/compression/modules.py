@@ -46,8 +46,11 @@ class QATLinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the same Parameters
         self.spec = spec
+        self.active = True  # False: a plain linear (QAT not begun yet)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return F.linear(x, self.weight, self.bias)
         if self.spec.act_bits is not None:
             x = fake_quant_activation(x, self.spec.act_bits)
         return F.linear(x, fake_quant(self.weight, self.spec.bits, self.spec.group_size), self.bias)

@@ -11,8 +11,10 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    (:mod:`zeal.dist.mesh`); batch arithmetic resolved against the data-parallel size;
 3. ``apply_precision``: the compute dtype, buffers cast to it, the fp16 loss scaler;
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
-5. (to come, in this order: token dropping, compression, tensor parallelism, MoE — each
-   changes the modules before ZeRO flattens their parameters);
+5. ``apply_compression``: QAT linears swapped in, N:M targets chosen (its step hooks,
+   built over the ZeRO masters, come after the engine); (to come, in this order: token
+   dropping before it, tensor parallelism and MoE after it — each changes the modules
+   before ZeRO flattens their parameters);
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeal.compression.apply import apply_compression
 from zeal.config import AutoValues, Config, ConfigError, load_config
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
@@ -94,7 +97,9 @@ def initialize(
     if precision.dtype == torch.float16 and mesh.device.type == "cpu" and mesh.rank == 0:
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    # (to come: apply_token_drop, apply_compression, apply_tensor_parallel, apply_moe)
+    # (to come: apply_token_drop, before compression)
+    compression = apply_compression(model, cfg.compression)
+    # (to come: apply_tensor_parallel, apply_moe)
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
@@ -113,6 +118,8 @@ def initialize(
                         precision.scaler, scheduler, loader, precision.dtype, micro, accum)
     engine = TrainEngine(parts)
     for hook in zero.hooks:
+        engine.register_step_hook(hook)
+    for hook in compression.step_hooks(zopt, mesh.dp):
         engine.register_step_hook(hook)
     return engine
 
