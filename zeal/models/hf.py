@@ -83,6 +83,10 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
     p = Path(path)
     cfg = json.loads((p / "config.json").read_text())
     sd = read_safetensors_folder(p)
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        from zeal.compression.export import decompress_state  # dequantized on load
+
+        sd = decompress_state(sd, cfg)
     mt = cfg.get("model_type", "llama")
     if mt == "gpt2":
         with torch.device("meta"):

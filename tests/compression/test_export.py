@@ -1,0 +1,56 @@
+"""compressed-tensors export: reload gives exactly the fake-quantized (and 2:4-sparse)
+weights; zeal's server greedy-decodes the folder as the fake-quantized model does."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zeal.compression.modules import QuantSpec, apply_masks_, linear_targets, magnitude_masks, swap_qat
+from zeal.compression.quant import quantize_dequantize
+from zeal.models.hf import load_hf_model, save_hf_folder
+from zeal.models.llama import Llama, LlamaConfig
+
+pytest.importorskip("compressed_tensors")
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.08)
+
+
+@pytest.mark.timeout(120)
+def test_export_reloads_fake_quantized_weights_and_serves_the_same_greedy_tokens(tmp_path):
+    from zeal.compression.export import export_compressed
+    from zeal.inference import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    model = Llama(CFG).eval()
+    targets = linear_targets(model)
+    apply_masks_(model, magnitude_masks(targets, 2, 4))
+    quant = {n: ((4, 16) if "mlp" in n else (8, None)) for n in targets}
+    folder = save_hf_folder(model, tmp_path / "m")
+    export_compressed(folder, quant, sparse={n: (2, 4) for n in targets}, ignore=["lm_head"])
+
+    stored = load_file(str(folder / "model.safetensors"))
+    layer = "model.layers.0.mlp.down_proj"
+    assert stored[f"{layer}.weight_packed"].dtype == torch.int32 and f"{layer}.weight" not in stored
+    assert stored[f"{layer}.weight_packed"].shape == (32, 64 * 4 // 32)  # 8 int4 codes per int32
+    assert stored[f"{layer}.weight_scale"].shape == (32, 4)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["sparsity_config"]["sparsity_structure"] == "2:4" and qc["sparsity_config"]["global_sparsity"] == 0.5
+
+    loaded, _ = load_hf_model(folder)
+    for name, lin in targets.items():
+        want = quantize_dequantize(lin.weight.detach(), *quant[name])
+        got = loaded.get_submodule(name).weight
+        assert torch.equal(got, want), name
+        assert bool((got[lin.weight == 0] == 0).all())  # sparse zeros stay zero
+
+    for spec in ((4, 16), (8, None)):
+        swap_qat(model, [n for n, q in quant.items() if q == spec], QuantSpec(*spec))
+    prompts = [[3, 5, 7, 9], [11, 2, 40, 41, 42, 1]]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    fake = [o.outputs[0].token_ids for o in LLM(model, block_size=4, num_blocks=64).generate(prompts, greedy)]
+    served = [o.outputs[0].token_ids for o in LLM(str(folder), block_size=4, num_blocks=64).generate(prompts, greedy)]
+    assert served == fake
