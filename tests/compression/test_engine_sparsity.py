@@ -104,3 +104,35 @@ def test_same_masks_under_zero3_on_two_ranks():
     assert two[0][3]["local"] == [False, True]  # l1 takes the gather path, l2 stays local
     p1, p2 = one[3]["residuals"], two[0][3]["residuals"]
     assert all(abs(a[0] - b[0]) <= 1e-5 * (1 + a[0]) for a, b in zip(p1, p2))  # residuals summed over shards
+
+
+@pytest.mark.timeout(120)
+def test_qat_and_masks_in_the_engine_match_plain_pytorch():
+    import zeal
+    from zeal.compression.hooks import MaskEnforcer
+    from zeal.compression.modules import QuantSpec, linear_targets, magnitude_masks, swap_qat
+
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(4)]
+    cfg = _config(3, "magnitude")
+    cfg["compression"]["quantization"] = {"enabled": True, "bits": 4, "group_size": 4, "modules": ["l1", "l2"]}
+    torch.manual_seed(0)
+    engine = zeal.initialize(Net(), cfg)
+    torch.manual_seed(0)
+    ref = Net()
+    targets = linear_targets(ref, ["l1", "l2"])
+    masks = magnitude_masks(targets, 2, 4)
+    swap_qat(ref, targets, QuantSpec(4, 4))
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    params = dict(ref.named_parameters())
+    MaskEnforcer(opt, [params[n] for n in masks], list(masks.values()))
+    for x, y in batches:
+        engine.backward(engine(x, y))
+        engine.step()
+        opt.zero_grad()
+        ref(x, y).backward()
+        opt.step()
+    got = engine.module_state_dict()
+    for n, p in ref.named_parameters():
+        assert torch.allclose(got[n], p.detach(), atol=1e-5), n
+    engine.close()

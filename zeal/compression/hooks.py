@@ -84,12 +84,18 @@ class SparsityHook:
         self.masks: dict[str, torch.Tensor] = {}
         self.enforcer: MaskEnforcer | None = None
         self.admm: ADMM | None = None
-        self._pre = None
+        self._pre = self._once = None
+        self._remade = False
         if schedule.method == "admm" and schedule.prune_step > 0:
             self.admm = ADMM(sparse.masters(), self._project, schedule.rho, sparse.region(), sparse.sum_over_ranks)
             self._pre = optimizer.register_step_pre_hook(lambda *_: self.admm.add_penalty_grad_())
         elif schedule.prune_step == 0:
-            self.prune()
+            self.prune()  # the first forward already sees the pruned weights
+            # Masks are made again before the first update, from the masters as they are then:
+            # the same masks (the projection is idempotent) unless a checkpoint was loaded after
+            # initialize, whose zeros they then follow. (The hook stays registered, as a no-op,
+            # until close(): a hook may not remove itself while the optimizer walks its hooks.)
+            self._once = optimizer.register_step_pre_hook(lambda *_: self._prune_once())
 
     def _project(self, key: str, values: torch.Tensor) -> torch.Tensor:
         return self.sparse.apply(key, values, lambda t, d, name: t * nm_mask(t.abs(), *self._nm(name), d))
@@ -101,9 +107,16 @@ class SparsityHook:
                     return s.spec.n, s.spec.m
         raise KeyError(name)
 
+    def _prune_once(self) -> None:
+        if self._once is not None and not self._remade:
+            self._remade = True
+            self.enforcer.remove()
+            self.prune(write_back=False)
+
     @torch.no_grad()
-    def prune(self) -> None:
-        """Hard pruning: masks from the masters' magnitudes, masked retraining from now on."""
+    def prune(self, write_back: bool = True) -> None:
+        """Hard pruning: masks from the masters' magnitudes, masked retraining from now on
+        (``write_back``: push the masked masters into the model now)."""
         if self._pre is not None:
             self._pre.remove()
             self._pre, self.admm = None, None
@@ -115,7 +128,8 @@ class SparsityHook:
             params.append(e.param)
             masks.append(self.masks[k])
         self.enforcer = MaskEnforcer(self.optimizer, params, masks)
-        self.write_back()
+        if write_back:
+            self.write_back()
 
     def after_step(self, applied: bool) -> None:
         if not applied:
@@ -126,11 +140,12 @@ class SparsityHook:
             self.history.append(r)
             if self.verbose:
                 log.info("admm step %d: primal %.3e dual %.3e rho %.2e", self.steps, r.primal, r.dual, r.rho)
-        if self.enforcer is None and self.steps >= self.schedule.prune_step:
+        if self.enforcer is None and self.schedule.prune_step > 0 and self.steps >= self.schedule.prune_step:
             self.prune()
 
     def close(self) -> None:
-        if self._pre is not None:
-            self._pre.remove()
+        for h in (self._pre, self._once):
+            if h is not None:
+                h.remove()
         if self.enforcer is not None:
             self.enforcer.remove()
