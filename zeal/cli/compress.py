@@ -70,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
     model, tok, _ = load_model_and_tokenizer(src, torch.float32)
     if tok is None:
         raise ValueError(f"--model {str(src)!r}: no tokenizer.json to read the calibration text with")
+    if type(model).__name__ != "Llama":
+        raise ValueError(f"--model {str(src)!r}: zeal compress writes Llama-family folders, not "
+                         f"{type(model).__name__}")
     calib_text, eval_text = split_text(args.data)
     calib = blocks(tok.encode(calib_text, add_special_tokens=False), args.seq_len, args.calib_blocks)
     evals = blocks(tok.encode(eval_text, add_special_tokens=False), args.seq_len, args.eval_blocks)
