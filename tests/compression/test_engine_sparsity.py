@@ -136,3 +136,29 @@ def test_qat_and_masks_in_the_engine_match_plain_pytorch():
     for n, p in ref.named_parameters():
         assert torch.allclose(got[n], p.detach(), atol=1e-5), n
     engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_masks_follow_a_checkpoint_loaded_after_initialize(tmp_path):
+    import zeal
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(3)]
+    torch.manual_seed(0)
+    first = zeal.initialize(Net(), _config(0, "magnitude"))
+    for x, y in batches[:2]:
+        first.backward(first(x, y))
+        first.step()
+    first.save_checkpoint(str(tmp_path))
+    support = {n: first.module_state_dict()[n] != 0 for n in TARGETS}
+    torch.manual_seed(5)  # another init: its own masks at initialize
+    second = zeal.initialize(Net(), _config(0, "magnitude"))
+    assert any(not torch.equal(second.module_state_dict()[n] != 0, support[n]) for n in TARGETS)
+    second.load_checkpoint(str(tmp_path))
+    x, y = batches[2]
+    second.backward(second(x, y))
+    second.step()
+    for n in TARGETS:
+        assert torch.equal(second.module_state_dict()[n] != 0, support[n]), n
+    first.close()
+    second.close()
