@@ -57,3 +57,26 @@ def test_export_reloads_fake_quantized_weights_and_serves_the_same_greedy_tokens
     fake = [o.outputs[0].token_ids for o in LLM(model, block_size=4, num_blocks=64).generate(prompts, greedy)]
     served = [o.outputs[0].token_ids for o in LLM(str(folder), block_size=4, num_blocks=64).generate(prompts, greedy)]
     assert served == fake
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_reads_the_export_with_the_same_weights(tmp_path):
+    """transformers decompresses the folder through compressed-tensors' own code: the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from zeal.compression.export import export_compressed
+
+    torch.manual_seed(0)
+    model = Llama(CFG).eval()
+    targets = linear_targets(model)
+    folder = save_hf_folder(model, tmp_path / "m")
+    export_compressed(folder, {n: (4, 32) for n in targets}, ignore=["lm_head"])
+    ours, _ = load_hf_model(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.tensor([[1, 5, 9, 20, 33]])
+    with torch.no_grad():  # (the first forward decompresses HF's modules)
+        assert torch.allclose(ours(x), hf(x).logits, atol=1e-5)
+    for name, lin in targets.items():
+        want = quantize_dequantize(lin.weight.detach(), 4, 32)
+        assert torch.equal(hf.get_submodule(name).weight.detach(), want), name
+        assert torch.equal(ours.get_submodule(name).weight, want), name

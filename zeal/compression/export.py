@@ -68,7 +68,8 @@ def export_compressed(folder: str | Path, quant: dict[str, tuple[int, int | None
     cfg = json.loads((folder / "config.json").read_text())
     qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
           "version": compressed_tensors.__version__, "ignore": sorted(ignore or []),
-          "config_groups": {f"group_{i}": _scheme(layers, b, g) for i, ((b, g), layers) in enumerate(groups.items())}}
+          "config_groups": {f"group_{i}": _scheme(["Linear"] if len(groups) == 1 else layers, b, g)
+                            for i, ((b, g), layers) in enumerate(groups.items())}}
     if sparse:
         structures = sorted({f"{n}:{m}" for n, m in sparse.values()})
         qc["sparsity_config"] = {"format": "dense", "sparsity_structure": ",".join(structures),
@@ -102,21 +103,31 @@ def decompress_state(sd: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.
     fmt = qc.get("format")
     if fmt not in ("pack-quantized", "dense"):
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: pack-quantized, dense)")
-    bits_of = {}
+    targets = []  # (target, bits): a layer name, "Linear" (every linear) or "re:<regex>"
     for name, group in (qc.get("config_groups") or {}).items():
         w = group.get("weights") or {}
         if w.get("type", "int") != "int" or not w.get("symmetric", True):
             raise ValueError(f"compressed-tensors group {name!r}: only symmetric int weights are supported")
-        for t in group.get("targets", []):
-            bits_of[t] = int(w["num_bits"])
+        targets += [(t, int(w["num_bits"])) for t in group.get("targets", [])]
     _, unpack_from_int32 = _ct()
     out = dict(sd)
     for key in [k for k in sd if k.endswith(".weight_packed")]:
         layer = key.removesuffix(".weight_packed")
-        if layer not in bits_of:
-            raise ValueError(f"{layer}: packed weight whose layer no config group names (targets must be layer names)")
+        bits = _bits_of(layer, targets)
         shape = torch.Size(out.pop(f"{layer}.weight_shape").tolist())
-        q = unpack_from_int32(out.pop(key), bits_of[layer], shape)
+        q = unpack_from_int32(out.pop(key), bits, shape)
         scale = out.pop(f"{layer}.weight_scale").float()
         out[f"{layer}.weight"] = dequantize(q, scale, torch.float32)
     return out
+
+
+def _bits_of(layer: str, targets: list[tuple[str, int]]) -> int:
+    """The width of ``layer``'s group: an exact name first, then a regex, then "Linear"."""
+    import re
+
+    for match in (lambda t: t == layer, lambda t: t.startswith("re:") and re.match(t[3:], layer) is not None,
+                  lambda t: t == "Linear"):
+        for t, bits in targets:
+            if match(t):
+                return bits
+    raise ValueError(f"{layer}: a packed weight that no compressed-tensors config group targets")
