@@ -47,12 +47,12 @@ def _searched(model, calib, evals, budget: float) -> tuple[float, float, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--calib-blocks", type=int, default=32)
-    ap.add_argument("--eval-blocks", type=int, default=16)
-    ap.add_argument("--skip-search", action="store_true")
+    ap.add_argument("--calib-blocks", type=int, default=8)
+    ap.add_argument("--eval-blocks", type=int, default=8)
+    ap.add_argument("--search", action="store_true", help="also the per-layer search (layers x 4 evaluations)")
     args = ap.parse_args()
     base, tok, _ = load_model_and_tokenizer(resolve_model_path(None), torch.float32)
     ctext, etext = split_text(None)
@@ -60,25 +60,28 @@ def main() -> None:
     evals = blocks(tok.encode(etext, add_special_tokens=False), args.seq_len, args.eval_blocks)
     k = args.steps
     runs = {
-        "dense": None,
+        "2:4 magnitude one-shot": CompressJob(2, 4, "magnitude"),
+        "2:4 wanda one-shot": CompressJob(2, 4, "wanda"),
         f"2:4 magnitude + {k} steps": CompressJob(2, 4, "magnitude", steps=k, lr=args.lr),
         f"2:4 wanda + {k} steps": CompressJob(2, 4, "wanda", steps=k, lr=args.lr),
         f"2:4 admm {k // 2} + {k - k // 2} steps": CompressJob(2, 4, "admm", steps=k, lr=args.lr),
         "int8 PTQ": CompressJob(None, 4, bits=8),
-        f"int8 QAT {k} steps": CompressJob(None, 4, bits=8, steps=k, lr=args.lr),
         "int4 PTQ": CompressJob(None, 4, bits=4),
         f"int4 QAT {k} steps": CompressJob(None, 4, bits=4, steps=k, lr=args.lr),
         "int4 g32 PTQ": CompressJob(None, 4, bits=4, group_size=32),
     }
-    results = {}
+    t0 = time.perf_counter()
+    dense = perplexity(base, evals)
+    results = {"dense": round(dense, 3)}
+    print(f"{'dense':<32} ppl {dense:9.3f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
     for name, job in runs.items():
         t0 = time.perf_counter()
         model = copy.deepcopy(base)
-        ppl = perplexity(model, evals) if job is None else compress_model(model, calib, evals, job, log=lambda _: None).ppl_after
+        ppl = compress_model(model, calib, evals, job, log=lambda _: None, before=dense).ppl_after
         results[name] = round(ppl, 3)
         print(f"{name:<32} ppl {ppl:9.3f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
         del model
-    if not args.skip_search:
+    if args.search:
         t0 = time.perf_counter()
         mixed, uniform, info = _searched(base, calib, evals, 0.875)
         results["searched mixed @87.5%"], results["uniform 2:4+int8 @87.5%"] = round(mixed, 3), round(uniform, 3)

@@ -103,12 +103,13 @@ def _finetune(model: nn.Module, masks: dict[str, torch.Tensor], job: CompressJob
 
 
 def compress_model(model: nn.Module, calib: torch.Tensor, evals: torch.Tensor, job: CompressJob,
-                   log=print) -> CompressReport:
+                   log=print, before: float | None = None) -> CompressReport:
     """Compress ``model`` in place (see the module docstring); QAT leaves QAT linears in
-    the model (their weights are the raw values the export quantizes)."""
+    the model (their weights are the raw values the export quantizes). ``before``: the
+    perplexity of the uncompressed model when the caller knows it."""
     t0 = time.perf_counter()
     targets = linear_targets(model, None, job.exclude)
-    before = perplexity(model, evals)
+    before = perplexity(model, evals) if before is None else before
     log(f"perplexity before: {before:.3f}")
     data = _batches(calib, job.batch)
     history: list[tuple[float, float]] = []
