@@ -162,3 +162,42 @@ def test_masks_follow_a_checkpoint_loaded_after_initialize(tmp_path):
         assert torch.equal(second.module_state_dict()[n] != 0, support[n]), n
     first.close()
     second.close()
+
+
+@pytest.mark.timeout(120)
+def test_admm_in_the_engine_matches_plain_pytorch():
+    """The penalty gradient on the master shards, Z/U on the shards, pruning at step 3,
+    masked AdamW after: the same weights as ADMM over the whole tensors."""
+    import zeal
+    from zeal.compression.admm import ADMM, RhoSchedule
+    from zeal.compression.hooks import MaskEnforcer
+    from zeal.compression.nm import nm_mask, nm_project
+
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)) for _ in range(5)]
+    torch.manual_seed(0)
+    ref = Net()
+    params = dict(ref.named_parameters())
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.1)
+    admm = ADMM({n: params[n] for n in TARGETS}, lambda _k, v: nm_project(v.view(params[_k].shape), 2, 4),
+                RhoSchedule(0.05, 1.5, 1.0))
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        ref(x, y).backward()
+        if step < 3:
+            admm.add_penalty_grad_()
+        opt.step()
+        if step < 3:
+            admm.update()
+        if step == 2:
+            MaskEnforcer(opt, [params[n] for n in TARGETS], [nm_mask(params[n].detach().abs(), 2, 4) for n in TARGETS])
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        engine = zeal.initialize(Net(), _config(stage, "admm"))
+        for x, y in batches:
+            engine.backward(engine(x, y))
+            engine.step()
+        got = engine.module_state_dict()
+        for n, p in ref.named_parameters():
+            assert torch.allclose(got[n], p.detach(), atol=1e-5), (stage, n)
+        engine.close()

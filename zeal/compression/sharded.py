@@ -84,7 +84,8 @@ class ShardedParams:
         self.names = sorted({s.name for e in self.entries.values() for s in e.segments})
 
     def masters(self) -> dict[str, torch.Tensor]:
-        return {k: e.master for k, e in self.entries.items()}
+        """The master Parameters by key (flat; their ``.grad`` is what the optimizer reads)."""
+        return {k: e.param for k, e in self.entries.items()}
 
     def region(self) -> dict[str, torch.Tensor]:
         """Per key, 1.0 on the sparsified elements of the master, 0.0 elsewhere."""
