@@ -9,9 +9,10 @@ over the fp32 master shards, *before* ZeRO writes the masters back into the mode
 the model copy is masked too with no extra communication.
 
 :class:`SparsityHook` is the engine's step hook (:mod:`zeal.train.hooks`) for N:M
-sparsity learned during training: an ADMM phase (the penalty's gradient added to the
-master shards' gradients by an optimizer pre-step hook, Z/U updated every
-``admm_interval`` optimizer steps), then hard pruning at ``prune_step`` (masks from the
+sparsity learned during training: an ADMM phase (the penalty's gradient is added to the
+master shards' gradients by an optimizer pre-step hook, i.e. after unscaling and
+clipping, which see the task gradient only; Z/U are updated every ``admm_interval``
+optimizer steps), then hard pruning at ``prune_step`` (masks from the
 masters, masters and moments masked, the model re-synchronised) and masked retraining.
 """
 
