@@ -94,7 +94,8 @@ def apply_compression(model: nn.Module, cfg: CompressionConfig) -> CompressionPa
         n, m = parse_pattern(sc.pattern)
         targets = linear_targets(model, sc.modules, sc.exclude_modules)
         if not targets:
-            raise ConfigError(f"config key 'compression.sparsity.modules': no linear module matches {sc.modules}")
+            raise ConfigError(f"config key 'compression.sparsity.modules': no nn.Linear matches {sc.modules} "
+                              "(Hugging Face GPT-2's Conv1D layers are not supported yet)")
         for name, lin in targets.items():
             try:
                 check_groupable(tuple(lin.weight.shape), m, -1, f"{name}.weight")
@@ -104,7 +105,8 @@ def apply_compression(model: nn.Module, cfg: CompressionConfig) -> CompressionPa
     if qc.enabled:
         targets = linear_targets(model, qc.modules, qc.exclude_modules)
         if not targets:
-            raise ConfigError(f"config key 'compression.quantization.modules': no linear module matches {qc.modules}")
+            raise ConfigError(f"config key 'compression.quantization.modules': no nn.Linear matches {qc.modules} "
+                              "(Hugging Face GPT-2's Conv1D layers are not supported yet)")
         if qc.group_size is not None:
             bad = [n for n, lin in targets.items() if lin.in_features % qc.group_size]
             if bad:
