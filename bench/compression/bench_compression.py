@@ -70,6 +70,8 @@ def main() -> None:
         f"int4 QAT {k} steps": CompressJob(None, 4, bits=4, steps=k, lr=args.lr),
         "int4 g32 PTQ": CompressJob(None, 4, bits=4, group_size=32),
     }
+    if k == 0:  # one-shot only
+        runs = {name: job for name, job in runs.items() if "steps" not in name}
     t0 = time.perf_counter()
     dense = perplexity(base, evals)
     results = {"dense": round(dense, 3)}
