@@ -49,7 +49,8 @@ def test_initialize_reports_batch_rule():
 
 def test_known_but_unsupported_keys_say_so():
     assert "does not support pipeline parallelism" in _msg({"pipeline": {"stages": 2}})
-    assert "does not support the compression library" in _msg({"compression_training": {}})
+    assert "does not support row pruning" in _msg(
+        {"compression_training": {"row_pruning": {"shared_parameters": {"enabled": True}}}})
     # an explicitly disabled unsupported feature is harmless
     load_config({"flops_profiler": {"enabled": False}})
 

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("zeal.cli.estimate", "per-rank memory for every ZeRO stage and offload; pick one for a budget"),
     "launch": ("zeal.cli.launch", "run a script on N processes (and N nodes) through torchrun"),
     "checkpoint": ("zeal.cli.checkpoint", "inspect a checkpoint or export it to a Hugging Face folder"),
+    "compress": ("zeal.cli.compress", "N:M sparsity (magnitude, Wanda, ADMM) and int8/int4 weights, exported"),
     "bench": ("zeal.cli.bench", "measure step time and peak memory per ZeRO stage beside the estimate"),
     "rlhf": ("zeal.cli.rlhf", "SFT, reward model, PPO, DPO and GRPO (hybrid engine) on a model"),
     "data": ("zeal.cli.data", "analyze a corpus for curriculum learning (per-sample metric, sorted index)"),

@@ -21,11 +21,12 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from zeal.config.ds_compression import translate_compression
+
 # path -> (feature zeal lacks, values that ask for nothing and so pass silently)
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "pipeline": ("pipeline parallelism through DeepSpeed's 'pipeline' section (zeal's key is 'pipeline_parallel')", ({},)),
     "flops_profiler": ("the FLOPs profiler", ()),
-    "compression_training": ("the compression library", ()),
     "data_efficiency.data_sampling.dynamic_batching": ("dynamic batching", ()),
     "progressive_layer_drop": ("progressive layer dropping", ()),
     "eigenvalue": ("the eigenvalue (Hessian) analysis", ()),
@@ -182,6 +183,7 @@ def translate(raw: dict[str, Any], auto: AutoValues | None = None) -> tuple[dict
     _aliases(cfg, notes)
     resolve_auto(cfg, auto or AutoValues(), notes)
     _optimizer(cfg)  # an unsupported optimizer is named before its parameters
+    translate_compression(cfg, notes)
     _refuse_unsupported(cfg)
     for path, why in NO_EFFECT.items():
         node, leaf = _parent(cfg, path)

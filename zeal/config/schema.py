@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from zeal.config.compression import CompressionConfig
 from zeal.config.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
 
 Auto = Literal["auto"]
@@ -285,6 +286,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention and fallback.")
     activation_checkpointing: ActivationCheckpointingConfig | None = Field(
         None, description="Recompute activations in backward (None = as the model itself says).")
+    compression: CompressionConfig = Field(default_factory=CompressionConfig,
+                                           description="N:M sparsity (magnitude, ADMM) and quantization-aware training.")
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, reduce, step and gather.")
     seed: int = Field(1234, ge=0, lt=SEED_LIMIT,

@@ -329,6 +329,8 @@ def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.devi
         raise ValueError("weights_offload 'cpu' streams host memory to an accelerator; with device 'cpu' "
                          "use weights_offload 'disk'")
     sk = hf_skeleton(path)
+    if (sk.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        raise ValueError("weights_offload: compressed-tensors folders are not streamed yet; serve them without it")
     if sk.whole is not None:
         raise ValueError(f"weights_offload: model_type {sk.config.get('model_type')!r} is not streamed yet "
                          "(its checkpoint needs a whole-state rewrite); serve it without weights_offload")

@@ -149,6 +149,10 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -
     # fresh, aligned storage: safetensors hands out views at arbitrary byte offsets,
     # which BLAS kernels run markedly slower on
     raw = read_safetensors_folder(path)
+    if (sk.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        from zeal.compression.export import decompress_state  # dequantized on load
+
+        raw = decompress_state(raw, sk.config)
     if sk.whole is not None:
         raw = sk.whole(raw)
     state = {name: t.to(dtype=dtype, copy=True) for key, v in raw.items() for name, t in sk.convert(key, v)}

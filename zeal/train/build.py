@@ -12,10 +12,11 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
 3. ``apply_precision``: the compute dtype, buffers cast to it, the fp16 loss scaler;
 4. ``apply_activation_checkpointing``: what the forward saves for backward;
 5. ``apply_token_drop``: random-LTD on the layers the config names (:mod:`zeal.data.random_ltd`);
-   (to come: compression) ``apply_tensor_parallel``: attention and MLP linears split over
-   ``mesh.tp`` (:mod:`zeal.parallel.tensor`); ``apply_moe``: each MoE layer keeps this
-   rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's MoE
-   ``ep_size``) — each changes the modules before ZeRO flattens their parameters;
+   ``apply_compression``: QAT linears swapped in, N:M targets chosen (its step hooks, built
+   over the ZeRO masters, come after the engine); ``apply_tensor_parallel``: attention and
+   MLP linears split over ``mesh.tp`` (:mod:`zeal.parallel.tensor`); ``apply_moe``: each MoE
+   layer keeps this rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's
+   MoE ``ep_size``) — each changes the modules before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeal.compression.apply import apply_compression
 from zeal.config import AutoValues, Config, ConfigError, load_config
 from zeal.data.curriculum_sampler import sampler_from_config
 from zeal.data.random_ltd import apply_token_drop
@@ -106,7 +108,7 @@ def initialize(
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
     token_drop = _token_drop(model, cfg)
-    # (to come: apply_compression)
+    compression = apply_compression(model, cfg.compression)
     tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
@@ -136,6 +138,8 @@ def initialize(
     engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
     if token_drop is not None:
         engine.register_step_hook(token_drop)
+    for hook in compression.step_hooks(zopt, mesh.dp):
+        engine.register_step_hook(hook)
     return engine
 
 

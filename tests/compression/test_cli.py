@@ -1,0 +1,43 @@
+"""`zeal compress` end to end on a tiny Llama folder with a character tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from tests.inference.conftest import VOCAB, _save_tokenizer
+from zeal.cli.main import main
+from zeal.compression.nm import group_density
+from zeal.models.hf import load_hf_model, save_hf_folder
+from zeal.models.llama import Llama, LlamaConfig
+
+pytest.importorskip("compressed_tensors")
+
+
+@pytest.mark.timeout(120)
+def test_compress_admm_w4_writes_a_folder_that_reloads_sparse_and_quantized(tmp_path, capsys):
+    torch.manual_seed(0)
+    src = save_hf_folder(Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                           initializer_range=0.08)), tmp_path / "src")
+    _save_tokenizer(src)
+    data = tmp_path / "text.txt"
+    data.write_text("\n\n".join(f"paragraph {i}: the quick brown fox jumps over the lazy dog." * 3 for i in range(20)))
+    out = tmp_path / "out"
+    rc = main(["compress", "--model", str(src), "--sparsity", "2:4", "--method", "admm", "--steps", "4", "--bits", "4",
+               "--group-size", "16", "--data", str(data), "--seq-len", "32", "--calib-blocks", "4",
+               "--eval-blocks", "2", "--lr", "1e-3", "--out", str(out)])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["ppl_before"] > 1 and report["ppl_after"] > 1
+    model, cfg = load_hf_model(out)
+    assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == 4
+    w = model.model.layers[0].mlp.down_proj.weight
+    assert bool((group_density(w != 0, 4) <= 2).all())
+    assert len(torch.unique(w[0, :16])) <= 16  # at most 16 int4 levels per group
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_compress_flags_are_checked():
+    assert main(["compress", "--out", "x"]) == 2
+    assert main(["compress", "--sparsity", "5:4", "--out", "x"]) == 2

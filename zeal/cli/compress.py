@@ -1,0 +1,116 @@
+"""`zeal compress`: N:M sparsity and/or int8/int4 weights for a Hugging Face model folder.
+
+  zeal compress --sparsity 2:4 --method wanda --out smol-24
+  zeal compress --sparsity 2:4 --method admm --steps 40 --bits 4 --out smol-24-w4
+
+No --model: the embedded SmolLM2-135M-Instruct. No --data: Python's documentation
+topics (pydoc_data), every fifth topic held out for the perplexity printed before and
+after. The output folder loads in `zeal serve DIR` and, in the compressed-tensors
+format, in vLLM and llm-compressor (int4/int8 weights packed with their scales; the
+2:4 zeros are stored as values and recorded in the config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``zeal compress``."""
+    p = subparsers.add_parser("compress", help="N:M sparsity (magnitude, Wanda, ADMM) and int8/int4 weights",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              allow_abbrev=False)
+    p.add_argument("--model", default=None, metavar="PATH", help="HF folder (default: the embedded SmolLM2)")
+    p.add_argument("--sparsity", default=None, metavar="N:M", help="keep N of every M weights along the input "
+                   "dimension of every linear but the head (for example 2:4); omit for quantization only")
+    p.add_argument("--method", choices=("admm", "magnitude", "wanda"), default="magnitude", help="how to prune")
+    p.add_argument("--bits", type=int, choices=(8, 4), default=None, help="weight bits (QAT with --steps, else PTQ)")
+    p.add_argument("--group-size", type=int, default=None, help="weights per scale (default: per output channel)")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the calibration text (ADMM: half "
+                   "ADMM, half masked fine-tuning); 0 = one-shot")
+    p.add_argument("--lr", type=float, default=1e-5, help="fine-tuning learning rate (AdamW)")
+    p.add_argument("--data", default=None, metavar="FILE", help="calibration text (default: pydoc_data topics)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per block")
+    p.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks (Wanda norms, fine-tuning)")
+    p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks for perplexity")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--format", choices=("compressed-tensors", "dense"), default="compressed-tensors",
+                   help="compressed-tensors (packed int weights) or dense (the quantized values as floats)")
+    return p
+
+
+def _check(args: argparse.Namespace) -> tuple[int | None, int]:
+    from zeal.compression.nm import parse_pattern
+
+    if args.sparsity is None and args.bits is None:
+        raise ValueError("give --sparsity N:M, --bits 8|4, or both")
+    for flag in ("steps", "seq_len", "calib_blocks", "eval_blocks"):
+        if getattr(args, flag) < (0 if flag == "steps" else 2):
+            raise ValueError(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
+    if args.group_size is not None and args.group_size < 1:
+        raise ValueError(f"--group-size must be >= 1, got {args.group_size}")
+    if args.sparsity is None:
+        return None, 4
+    return parse_pattern(args.sparsity)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, compress, report perplexity, write the folder."""
+    import torch
+
+    from zeal.compression.calibration import blocks, split_text
+    from zeal.compression.pipeline import CompressJob, compress_model
+    from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
+
+    n, m = _check(args)
+    src = resolve_model_path(args.model)
+    model, tok, _ = load_model_and_tokenizer(src, torch.float32)
+    if tok is None:
+        raise ValueError(f"--model {str(src)!r}: no tokenizer.json to read the calibration text with")
+    if type(model).__name__ != "Llama":
+        raise ValueError(f"--model {str(src)!r}: zeal compress writes Llama-family folders, not "
+                         f"{type(model).__name__}")
+    calib_text, eval_text = split_text(args.data)
+    calib = blocks(tok.encode(calib_text, add_special_tokens=False), args.seq_len, args.calib_blocks)
+    evals = blocks(tok.encode(eval_text, add_special_tokens=False), args.seq_len, args.eval_blocks)
+    print(f"model {src}; calibration {calib.shape[0]}x{args.seq_len} tokens, evaluation {evals.shape[0]}x{args.seq_len}")
+    job = CompressJob(n=n, m=m, method=args.method, bits=args.bits, group_size=args.group_size, steps=args.steps,
+                      lr=args.lr)
+    report = compress_model(model, calib, evals, job)
+    write_folder(model, src, Path(args.out), report.targets, job, args.format)
+    print(json.dumps({"ppl_before": round(report.ppl_before, 4), "ppl_after": round(report.ppl_after, 4),
+                      "seconds": round(report.seconds, 1), "out": args.out}))
+    return 0
+
+
+def write_folder(model, src: Path, out: Path, targets: list[str], job, fmt: str) -> None:
+    """The compressed model as a HF folder with the source's tokenizer files."""
+    import torch
+
+    from zeal.compression.export import export_compressed
+    from zeal.compression.modules import QATLinear, QuantSpec, linear_targets, ptq_
+    from zeal.models.hf import save_hf_folder
+
+    if job.bits and fmt == "dense":
+        ptq_(linear_targets(model, None, job.exclude), QuantSpec(job.bits, job.group_size))  # idempotent after PTQ; what QAT's forward used
+    for lin in model.modules():
+        if isinstance(lin, QATLinear):
+            lin.active = False
+    save_hf_folder(model, out)
+    with torch.no_grad():
+        if fmt == "compressed-tensors":
+            quant = {t: (job.bits, job.group_size) for t in targets} if job.bits else {}
+            sparse = {t: (job.n, job.m) for t in targets} if job.n else None
+            export_compressed(out, quant, sparse, ignore=["lm_head"])
+    src_cfg = json.loads((src / "config.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    for k in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if k in src_cfg and k not in cfg:
+            cfg[k] = src_cfg[k]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (src / f).is_file():
+            shutil.copy(src / f, out / f)

@@ -1,0 +1,70 @@
+"""The ``compression`` config section: N:M sparsity and quantization-aware training.
+
+Example::
+
+    "compression": {
+      "sparsity": {"enabled": true, "pattern": "2:4", "method": "admm", "prune_step": 200,
+                   "admm_interval": 10, "rho": 0.001, "rho_growth": 1.2, "rho_max": 1.0},
+      "quantization": {"enabled": true, "bits": 4, "group_size": 128, "activation_bits": 8}
+    }
+
+DeepSpeed's ``compression_training`` keys that map onto these are translated by
+``ds_compat`` (weight and activation quantization, N:M ``sparse_pruning``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_EXCLUDE = ["lm_head", "*.lm_head"]
+
+
+class Section(BaseModel):  # as schema.Section (which imports this module)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SparsityConfig(Section):
+    enabled: bool = Field(False, description="Learn or impose N:M sparsity on the target linears.")
+    pattern: str = Field("2:4", description="N:M: keep N of every M consecutive weights along the input dimension.")
+    method: Literal["magnitude", "admm"] = Field(
+        "magnitude", description="magnitude: prune by |w| at prune_step; admm: ADMM (NxMTransformer) until "
+        "prune_step, then hard pruning. Masked retraining follows in both.")
+    prune_step: int = Field(0, ge=0, description="Optimizer steps before hard pruning (0: prune at start); "
+                            "for admm, the length of the ADMM phase (must then be > 0).")
+    admm_interval: int = Field(10, ge=1, description="ADMM: Z and U are updated every this many optimizer steps.")
+    rho: float = Field(1e-3, gt=0, allow_inf_nan=False, description="ADMM penalty ρ at the start.")
+    rho_growth: float = Field(1.0, ge=1.0, allow_inf_nan=False, description="ρ is multiplied by this at every Z-step.")
+    rho_max: float = Field(1.0, gt=0, allow_inf_nan=False, description="Upper bound of ρ.")
+    log_residuals: bool = Field(False, description="Log ADMM's primal and dual residuals at every Z-step (rank 0).")
+    modules: list[str] = Field(["*"], description="fnmatch patterns of the linear modules to sparsify.")
+    exclude_modules: list[str] = Field(DEFAULT_EXCLUDE, description="fnmatch patterns of linears left dense.")
+
+    @field_validator("pattern")
+    @classmethod
+    def _pattern(cls, v: str) -> str:
+        from zeal.compression.nm import parse_pattern
+
+        parse_pattern(v)
+        return v
+
+
+class QuantizationConfig(Section):
+    enabled: bool = Field(False, description="Quantization-aware training: fake-quantized weights (and activations).")
+    bits: int = Field(8, ge=2, le=8, description="Weight bits (symmetric; 8 or 4 are the exported widths).")
+    start_bits: int | None = Field(None, ge=2, le=8, description="Begin at this width and lose one bit every "
+                                   "quantization_period steps down to bits (None: bits from the start).")
+    quantization_period: int = Field(1, ge=1, description="Steps per bit when start_bits > bits.")
+    start_step: int = Field(0, ge=0, description="Optimizer steps of full-precision training before QAT begins.")
+    group_size: int | None = Field(None, ge=1, description="Weights per scale along the input dimension "
+                                   "(None: one scale per output channel).")
+    activation_bits: Literal[8] | None = Field(None, description="Per-tensor fake quantization of the linears' "
+                                               "inputs (None: activations stay in floating point).")
+    modules: list[str] = Field(["*"], description="fnmatch patterns of the linear modules to quantize.")
+    exclude_modules: list[str] = Field(DEFAULT_EXCLUDE, description="fnmatch patterns of linears left unquantized.")
+
+
+class CompressionConfig(Section):
+    sparsity: SparsityConfig = Field(default_factory=SparsityConfig, description="N:M sparsity (magnitude or ADMM).")
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="QAT of the linears.")
