@@ -28,13 +28,20 @@ from zeal.inference.sampling_params import SamplingParams
 GB = 1 << 30
 
 
-def dd_bandwidth(files: list[Path]) -> float:
-    """Bytes/s of ``dd`` reading the layer files (1 MiB blocks), as the streamer reads them."""
-    total, t0 = 0, time.perf_counter()
-    for f in files:
-        subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
-        total += f.stat().st_size
-    return total / (time.perf_counter() - t0)
+def dd_bandwidth(files: list[Path], tmp: str) -> float:
+    """Bytes/s of one ``dd`` (1 MiB blocks) reading the layer files' bytes, laid end to end
+    in one file (so the figure is not per-process start-up), read once before to be in the
+    same cache state as the streamer's files."""
+    whole = Path(tmp) / "all-layers.bin"
+    with open(whole, "wb") as out:
+        for f in files:
+            out.write(f.read_bytes())
+    subprocess.run(["dd", f"if={whole}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={whole}", "of=/dev/null", "bs=1M"], check=True, capture_output=True)
+    bw = whole.stat().st_size / (time.perf_counter() - t0)
+    whole.unlink()
+    return bw
 
 
 def run(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], float, float]:
@@ -73,13 +80,14 @@ def main() -> None:
         for frac in [float(f) for f in args.fractions.split(",")]:
             llm = LLM(path, dtype=dtype, num_blocks=256, block_size=16, weights_offload="disk",
                       max_resident_weights_gb=frac * model_bytes / GB, offload_dir=f"{tmp}/layers")
-            st = llm.engine.runner.model.weight_streamer.stats
+            streamer = llm.engine.runner.model.weight_streamer
+            st = streamer.stats
             got, tps, dt = run(llm, prompts, args.tokens)
             reads0, bytes0 = st.reads, st.bytes_read
             got, tps, dt = run(llm, prompts, args.tokens)
-            passes = (st.reads - reads0) / len(st.layer_bytes)
+            passes = (st.reads - reads0) / max(len(streamer.streamed), 1)  # every streamed layer once a pass
             per_pass = (st.bytes_read - bytes0) / max(passes, 1)
-            bw = dd_bandwidth(sorted(Path(f"{tmp}/layers").glob("layer*.bin")))
+            bw = dd_bandwidth(sorted(Path(f"{tmp}/layers").glob("layer*.bin")), tmp)
             pass_ms, bound_ms = dt / max(passes, 1) * 1e3, per_pass / bw * 1e3
             print(f"| {frac:.0%} | {st.slots} | {st.resident_bytes / 1e6:.1f} | {per_pass / 1e6:.1f} | {pass_ms:.1f} | "
                   f"{bound_ms:.2f} ({bw / 1e9:.1f} GB/s) | {bound_ms / pass_ms:.2f} | {tps:.1f} | "
