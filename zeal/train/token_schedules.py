@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zeal.train.lr_schedules import StepScheduler
+
 
 def token_lr(tokens: int, max_lr: float, min_lr: float = 0.0, warmup_tokens: int = 0,
              decay_tokens: int | None = None, style: str = "cosine") -> float:
@@ -64,38 +66,22 @@ class TokenCounter:
         self.layer_tokens += int(tokens if layer_tokens is None else layer_tokens)
 
 
-class TokenLRScheduler:
+class TokenLRScheduler(StepScheduler):
     """Sets each param group's lr to ``lr_of(count()) · base / base[0]`` after every step
-    (and at construction); ``count`` reads the consumed tokens (or layer-tokens)."""
+    (and at construction); ``count`` reads the consumed tokens (or layer-tokens). Steps,
+    ``get_last_lr`` and the state dict are :class:`StepScheduler`'s."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, lr_of: Callable[[int], float],
                  count: Callable[[], int]) -> None:
-        self.optimizer, self.lr_of, self.count = optimizer, lr_of, count
-        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        self.last_step = 0
-        self._apply()
+        self.lr_of, self.count = lr_of, count
+        super().__init__(optimizer, lambda step, base: base)
 
     def _apply(self) -> None:
         lr = self.lr_of(self.count())
-        ref = self.base_lrs[0] or 1.0
+        ref = float(self.base_lrs[0]) or 1.0
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = lr * (base / ref)
-
-    def step(self) -> None:
-        self.last_step += 1
-        self._apply()
+            g["lr"] = lr * (float(base) / ref)
 
     def refresh(self) -> None:
         """Re-read the count (after a resumed job restored it)."""
-        self._apply()
-
-    def get_last_lr(self) -> list[float]:
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict:
-        return {"last_step": self.last_step, "base_lrs": list(self.base_lrs)}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.last_step = int(sd["last_step"])
-        self.base_lrs = [float(x) for x in sd["base_lrs"]]
         self._apply()
