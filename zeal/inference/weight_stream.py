@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
+import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,10 +58,6 @@ class LayerFiles:
     def max_layer_bytes(self) -> int:
         return max(layer["nbytes"] for layer in self.layers)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(layer["nbytes"] for layer in self.layers)
-
     def read_into(self, i: int, buf: torch.Tensor) -> int:
         """Read layer ``i``'s bytes into the front of the uint8 CPU tensor ``buf``."""
         n = self.layers[i]["nbytes"]
@@ -79,15 +77,6 @@ class LayerFiles:
         if index.get("format") != _FORMAT:
             raise ValueError(f"{root}/index.json: unknown layer-file format {index.get('format')!r}")
         return LayerFiles(root, getattr(torch, index["dtype"]), index["layers"])
-
-
-def write_layer_files(tensors: dict[int, dict[str, torch.Tensor]], root: Path, dtype: torch.dtype) -> LayerFiles:
-    """Write ``{layer: {name: tensor}}`` as layer files in ``root`` (used by tests and by
-    :func:`build_layer_files`, which feeds it layer by layer)."""
-    root.mkdir(parents=True, exist_ok=True)
-    layers = [_write_layer(root, i, tensors[i], dtype) for i in sorted(tensors)]
-    _write_index(root, dtype, layers)
-    return LayerFiles(root, dtype, layers)
 
 
 def _write_layer(root: Path, i: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
@@ -259,10 +248,7 @@ class LayerStreamer:
         buf, dtype = self.bufs[slot], self.files.dtype
         esize = torch.empty((), dtype=dtype).element_size()
         for p, off, shape in self.params[i]:
-            numel = 1
-            for d in shape:
-                numel *= d
-            p.data = buf[off: off + numel * esize].view(dtype).view(shape)
+            p.data = buf[off: off + math.prod(shape) * esize].view(dtype).view(shape)
         self.bound[i] = slot
 
     def _unbind(self, i: int) -> None:
@@ -288,8 +274,6 @@ class LayerStreamer:
         a read now (after any read in flight, which may target the slot taken next)."""
         if i in self.bound:
             return
-        import time
-
         t0 = time.perf_counter()
         if self.pending is not None:
             layer, slot, fut = self.pending
