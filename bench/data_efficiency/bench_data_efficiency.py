@@ -6,7 +6,10 @@ budget (token-based LR: warm-up and cosine decay over the budget, stop at
 loss on the same held-out blocks every ``--eval-interval`` steps. Printed per variant:
 final held-out loss, the consumed tokens and wall time at which it first reached the
 baseline's final held-out loss (linear interpolation between evaluations), and those as
-ratios to the baseline's; the curves (held-out loss against consumed tokens) go to one PNG.
+ratios to the baseline's, and the layer-tokens (tokens × layers each token ran through: the
+compute, free of the machine's noise) at that point; the curves (held-out loss against
+consumed tokens) go to one PNG. ``--seed`` repeats the whole comparison on another split,
+order and initialisation.
 
     flock /tmp/zeal-heavy.lock python bench/data_efficiency/bench_data_efficiency.py --steps 300
 """
@@ -48,31 +51,36 @@ def run_variant(name: str, extra: dict, args: argparse.Namespace, root: Path) ->
            "eval_interval": args.eval_interval, "save_interval": 0, "checkpoint": False, "sample_tokens": 0,
            "report_to": "none", "precision": "fp32", "lr": args.lr, "lr_warmup_tokens": budget // 20,
            "lr_decay_tokens": budget, "min_lr": args.lr / 10, "train_tokens": budget, "log_interval": 10**6}
-    engine = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 0}, **extra}
-    spec = JobSpec(model={"n_layer": args.layers, "n_embd": args.n_embd, "n_head": 4},
-                   data={"seq_len": args.seq, "max_bytes": args.max_bytes}, job=job)
+    engine = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 0}, "seed": args.seed,
+              **extra}
+    spec = JobSpec(model={"n_layer": args.layers, "n_embd": args.n_embd, "n_head": args.n_head},
+                   data={"seq_len": args.seq, "max_bytes": args.max_bytes, "seed": args.seed}, job=job)
     spec = spec.model_copy(update={"engine": merge_engine_config(spec.job, engine)})
     run_job(spec)
     return read_metrics(root / name / "metrics.jsonl")
 
 
-def first_reach(curve: list[tuple[float, float, float]], target: float) -> tuple[float, float] | None:
-    """(tokens, seconds) at which held-out loss first reaches ``target``, interpolated linearly."""
-    for (t0, s0, l0), (t1, s1, l1) in zip(curve, curve[1:]):
+def first_reach(curve: list[tuple[float, float, float, float]], target: float) -> tuple[float, float, float] | None:
+    """(tokens, seconds, layer-tokens) at which held-out loss first reaches ``target``,
+    interpolated linearly between evaluations."""
+    for (t0, s0, l0, k0), (t1, s1, l1, k1) in zip(curve, curve[1:]):
         if l1 <= target:
             f = 1.0 if l0 == l1 else min(1.0, max(0.0, (l0 - target) / (l0 - l1)))
-            return t0 + f * (t1 - t0), s0 + f * (s1 - s0)
+            return t0 + f * (t1 - t0), s0 + f * (s1 - s0), k0 + f * (k1 - k0)
     return None
 
 
-def held_out_curve(records: list[dict]) -> list[tuple[float, float, float]]:
-    """(tokens, train seconds, held-out loss) of every evaluation."""
-    secs, out = 0.0, []
+def held_out_curve(records: list[dict], layers: int) -> list[tuple[float, float, float, float]]:
+    """(tokens, train seconds, held-out loss, layer-tokens) of every evaluation; without
+    random-LTD every token runs through all ``layers``."""
+    secs, layer_tokens, out = 0.0, None, []
     for r in records:
         if r.get("kind") == "train":
             secs = r.get("elapsed_s") or secs
+            layer_tokens = r.get("layer_tokens", layer_tokens)
         elif r.get("kind") == "eval":
-            out.append((float(r.get("tokens") or 0), secs, float(r["loss"])))
+            tokens = float(r.get("tokens") or 0)
+            out.append((tokens, secs, float(r["loss"]), tokens * layers if layer_tokens is None else layer_tokens))
     return out
 
 
@@ -83,12 +91,15 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1234, help="the job's seed (split, batch order, initialisation)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--max-bytes", type=int, default=4_000_000)
     p.add_argument("--eval-interval", type=int, default=25)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--only", default=None, help="comma-separated variants")
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--tag", default="", help="suffix of the result files (data_efficiency_<tag>.json/png)")
     p.add_argument("--runs", default=None, help="keep the run folders here (default: a temporary folder)")
     args = p.parse_args()
     out = Path(args.out)
@@ -100,22 +111,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(args.runs) if args.runs else Path(tmp)
         for name, extra in todo.items():
-            curves[name] = held_out_curve(run_variant(name, extra, args, runs))
+            curves[name] = held_out_curve(run_variant(name, extra, args, runs), args.layers)
     base_final = curves["baseline"][-1][2]
-    base_tokens, base_secs = first_reach(curves["baseline"], base_final) or (curves["baseline"][-1][:2])
+    base_tokens, base_secs, base_lt = first_reach(curves["baseline"], base_final) or (
+        curves["baseline"][-1][0], curves["baseline"][-1][1], curves["baseline"][-1][3])
     rows = []
-    print(f"\nbudget {args.steps * args.micro * args.seq} tokens; baseline final held-out loss {base_final:.4f}")
-    print(f"{'variant':<20} {'final loss':>10} {'tokens to base':>15} {'ratio':>6} {'wall to base':>12} {'ratio':>6}")
+    print(f"\nbudget {args.steps * args.micro * args.seq} tokens, seed {args.seed}; baseline final held-out loss "
+          f"{base_final:.4f}")
+    print(f"{'variant':<20} {'final loss':>10} {'tokens to base':>15} {'ratio':>6} {'layer-tok ratio':>15} "
+          f"{'wall to base':>12} {'ratio':>6}")
     for name, c in curves.items():
         hit = first_reach(c, base_final)
-        tok, sec = hit if hit else (float("nan"), float("nan"))
+        tok, sec, lt = hit if hit else (float("nan"),) * 3
         row = {"variant": name, "final_heldout_loss": c[-1][2], "tokens_to_baseline": tok, "seconds_to_baseline": sec,
-               "token_ratio": tok / base_tokens, "time_ratio": sec / base_secs, "curve": c}
+               "token_ratio": tok / base_tokens, "layer_token_ratio": lt / base_lt, "time_ratio": sec / base_secs,
+               "curve": c}
         rows.append(row)
-        print(f"{name:<20} {c[-1][2]:>10.4f} {tok:>15.0f} {tok / base_tokens:>6.2f} {sec:>11.1f}s "
-              f"{sec / base_secs:>6.2f}")
-    (out / "data_efficiency.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
-    _plot(curves, out / "data_efficiency.png")
+        print(f"{name:<20} {c[-1][2]:>10.4f} {tok:>15.0f} {tok / base_tokens:>6.2f} {lt / base_lt:>15.2f} "
+              f"{sec:>11.1f}s {sec / base_secs:>6.2f}")
+    stem = f"data_efficiency_{args.tag}" if args.tag else "data_efficiency"
+    (out / f"{stem}.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    _plot(curves, out / f"{stem}.png")
 
 
 def _plot(curves: dict, path: Path) -> None:
@@ -129,7 +145,7 @@ def _plot(curves: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for name, c in curves.items():
-        ax.plot([t for t, _, _ in c], [loss for _, _, loss in c], "o-", ms=3, label=name)
+        ax.plot([t for t, _, _, _ in c], [loss for _, _, loss, _ in c], "o-", ms=3, label=name)
     ax.set_xlabel("consumed tokens")
     ax.set_ylabel("held-out loss (nats/token)")
     ax.grid(alpha=0.3)

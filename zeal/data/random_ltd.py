@@ -21,12 +21,17 @@ are scattered back to their positions, so the next layer sees the full length ag
 
 The layer keeps its parameter names (its ``forward`` is replaced on the instance), so
 checkpoints and exports are those of the plain model.
+
+DeepSpeed's names: :func:`convert_to_random_ltd` (which modules are the layers),
+:func:`save_without_random_ltd` / :func:`remove_random_ltd_state_dict`, and the engine's
+``random_ltd_scheduler`` (this module's :class:`TokenDrop`: ``state``,
+``get_current_seq()``) — also importable from ``zeal.deepspeed.runtime.data_pipeline``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +85,9 @@ class TokenDrop:
     step: int = 0
     record: list | None = None
     consumed_layer_tokens: int = 0
+    dp_size: int = 1
     _restore: list = field(default_factory=list, repr=False)
+    _shape: tuple[int, int] | None = field(default=None, repr=False)
 
     def update(self, step: int) -> int:
         """The kept count at global step ``step`` (recomputed while below ``max_value``)."""
@@ -100,7 +107,24 @@ class TokenDrop:
         """Megatron-DeepSpeed's ``(T · (n_l − n_ltd) + r · n_ltd) // n_l``."""
         return self.layer_tokens(1, seq) // self.total_layers
 
-    # the step hook: the schedule advances after every optimizer step
+    @property
+    def state(self) -> dict[str, int]:
+        """DeepSpeed's scheduler state: ``consumed_layer_tokens`` (over all data-parallel
+        ranks), ``current_value`` (kept tokens), ``min_value``, ``max_value``."""
+        return {"consumed_layer_tokens": self.consumed_layer_tokens, "current_value": self.get_current_seq(),
+                "min_value": self.min_value, "max_value": self.max_value}
+
+    def get_current_seq(self) -> int:
+        """The kept-token count of the current step (DeepSpeed's name)."""
+        return self.kept if self.kept is not None else self.max_value
+
+    # the step hooks: a micro-batch's layer-tokens are counted once (not again when a
+    # checkpointed layer recomputes); the schedule advances after every optimizer step
+    def before_backward(self, boundary: bool) -> None:
+        if self._shape is not None:
+            self.consumed_layer_tokens += self.layer_tokens(*self._shape) * self.dp_size
+            self._shape = None
+
     def after_step(self, applied: bool) -> None:
         self.update(self.step + 1)
 
@@ -129,11 +153,13 @@ class _DroppingForward:
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         r = self.drop.kept
-        seq_dim = 0 if self.seq_first else 1
-        if not self.layer.training or r is None or x.dim() < 3 or r >= x.size(seq_dim):
+        if not self.layer.training or x.dim() < 3:
             return self.forward(x, *args, **kwargs)
         full = x.transpose(0, 1) if self.seq_first else x
         b, t = full.shape[:2]
+        self.drop._shape = (b, t)
+        if r is None or r >= t:
+            return self.forward(x, *args, **kwargs)
         idx = draw_indices(b, t, r, full.device)
         if self.drop.record is not None:
             self.drop.record.append(idx)
@@ -176,9 +202,11 @@ def _gather_mask(mask: Any, idx: torch.Tensor) -> Any:
     return torch.gather(rows, 3, idx[:, None, None, :].expand(b, m.shape[1], idx.shape[1], idx.shape[1]))
 
 
-def layer_stack(model: nn.Module) -> nn.ModuleList:
+def layer_stack(model: nn.Module) -> Sequence[nn.Module]:
     """The decoder layers: a zeal model's ``layer_stack()``, or a Hugging Face model's
     ``model.layers`` (Llama family) / ``transformer.h`` (GPT-2 family)."""
+    if "_random_ltd_layers" in model.__dict__:  # convert_to_random_ltd (kept out of the state dict)
+        return model.__dict__["_random_ltd_layers"]
     if callable(getattr(model, "layer_stack", None)):
         return model.layer_stack()
     for path in ("model.layers", "transformer.h", "model.decoder.layers", "layers", "h"):
@@ -188,7 +216,8 @@ def layer_stack(model: nn.Module) -> nn.ModuleList:
         if isinstance(node, nn.ModuleList):
             return node
     raise ValueError(f"random_ltd: cannot find the decoder layers of {type(model).__name__} "
-                     "(expected layer_stack(), model.layers or transformer.h)")
+                     "(expected layer_stack(), model.layers or transformer.h; or name their class with "
+                     "convert_to_random_ltd(model, LayerClass) before initialize)")
 
 
 def apply_token_drop(model: nn.Module, cfg: Any) -> TokenDrop | None:
@@ -219,3 +248,46 @@ def apply_token_drop(model: nn.Module, cfg: Any) -> TokenDrop | None:
                                          rl.hidden_state_order == "seq_batch_dim")
         drop._restore.append(layer)
     return drop
+
+
+def convert_to_random_ltd(model: Any, convert_type: type) -> Any:
+    """DeepSpeed's ``convert_to_random_ltd(model, layer_class)``: the modules of type
+    ``convert_type`` (in registration order) are the layers random-LTD counts and wraps.
+
+    Before ``initialize``: marks the model, so the ``random_ltd`` config is applied to those
+    modules (a model whose layers zeal cannot find needs this). After it (``model`` the
+    engine, as DeepSpeed's scripts call it): checks that the engine's random-LTD layers are
+    of that type. Returns ``model``."""
+    engine = model if hasattr(model, "token_drop") and hasattr(model, "module") else None
+    module = engine.module if engine is not None else model
+    found = [m for m in module.modules() if isinstance(m, convert_type)]
+    if not found:
+        raise ValueError(f"convert_to_random_ltd: {type(module).__name__} has no {convert_type.__name__} module")
+    if engine is None:
+        module.__dict__["_random_ltd_layers"] = tuple(found)  # not a submodule: no new state-dict keys
+        return model
+    if engine.token_drop is None:
+        raise ValueError("convert_to_random_ltd: random-LTD is off in this engine's config "
+                         "(data_efficiency.data_routing.random_ltd.enabled)")
+    wrapped = [m for m in module.modules() if isinstance(m.__dict__.get("forward"), _DroppingForward)]
+    stray = [type(m).__name__ for m in wrapped if not isinstance(m, convert_type)]
+    if stray:
+        raise ValueError(f"convert_to_random_ltd: the engine's random-LTD layers are {stray[0]}, not "
+                         f"{convert_type.__name__}; call convert_to_random_ltd(model, {convert_type.__name__}) "
+                         "before initialize")
+    return model
+
+
+def remove_random_ltd_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The plain model's keys (DeepSpeed's name): DeepSpeed's wrapper inserts
+    ``random_ltd_layer.`` into its layers' keys, which this removes; zeal's wrapping
+    changes no name, so a zeal state dict comes back as it is."""
+    return {k.replace(".random_ltd_layer.", "."): v for k, v in state_dict.items()}
+
+
+def save_without_random_ltd(model: Any) -> dict[str, Any]:
+    """The model's state dict as the plain model's (DeepSpeed's name); an engine gives its
+    whole gathered model state (every rank must call it then)."""
+    if hasattr(model, "module_state_dict"):
+        return remove_random_ltd_state_dict(model.module_state_dict())
+    return remove_random_ltd_state_dict(model.state_dict())

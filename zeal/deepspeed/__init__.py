@@ -9,7 +9,7 @@
 What is here: :func:`initialize` (DeepSpeed's signature and 4-tuple), :func:`init_distributed`,
 ``zero.Init`` / ``zero.GatheredParameters`` (:mod:`zeal.deepspeed.zero`),
 ``checkpointing.checkpoint`` (:mod:`zeal.deepspeed.checkpointing`), ``moe.layer.MoE``
-(:mod:`zeal.moe`) and the engine's
+(:mod:`zeal.moe`), ``runtime.data_pipeline.data_routing.helper`` (random-LTD) and the engine's
 DeepSpeed-shaped methods (:class:`DeepSpeedEngine`). ``zeal.initialize`` stays the native
 entry point (it returns the engine alone).
 """
@@ -35,12 +35,14 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     ``config`` is a dict or a JSON path (``args.deepspeed_config`` when not given, as in
     DeepSpeed); ``"auto"`` values are taken from the model and the client optimizer or
-    name their key in a ConfigError. ``mpu`` and ``mesh_param`` (model parallelism) are
-    refused: zeal has no tensor or pipeline parallelism yet."""
+    name their key in a ConfigError. ``mpu`` and ``mesh_param`` (Megatron's model-parallel
+    objects) are refused: zeal's tensor and pipeline parallelism come from the config
+    (``tensor_parallel.autotp_size``, ``pipeline_parallel``)."""
     import zeal
 
     if mpu is not None or mesh_param is not None:
-        raise ValueError("deepspeed.initialize: mpu / mesh_param (model parallelism) are not supported by zeal yet")
+        raise ValueError("deepspeed.initialize: mpu / mesh_param are not supported by zeal; set "
+                         "tensor_parallel.autotp_size / pipeline_parallel in the config instead")
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
     if config is None and config_params is None:

@@ -137,6 +137,7 @@ def initialize(
         engine.register_step_hook(hook)
     engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
     if token_drop is not None:
+        token_drop.dp_size = mesh.dp_size  # consumed layer-tokens count every data-parallel rank's
         engine.register_step_hook(token_drop)
     for hook in compression.step_hooks(zopt, mesh.dp):
         engine.register_step_hook(hook)

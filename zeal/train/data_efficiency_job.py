@@ -60,6 +60,7 @@ class JobDataEfficiency:
             out["curriculum_difficulty"] = next(iter(self.sampler.difficulties().values()))
         if self.drop is not None:
             out["random_ltd_kept_tokens"] = self.drop.kept
+            out["layer_tokens"] = self.counter.layer_tokens  # summed over layers: the compute random-LTD saves
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -132,6 +132,16 @@ class TrainEngine:
         """Samples per optimizer step over all data-parallel ranks."""
         return self._p.micro_batch * self._p.grad_accum * self.mesh.dp_size
 
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """random-LTD's schedule and state (``state``, ``get_current_seq()``; a
+        :class:`zeal.data.random_ltd.TokenDrop`), None when it is off (DeepSpeed's name)."""
+        return getattr(self, "token_drop", None)
+
+    def random_ltd_enabled(self) -> bool:
+        """Whether random-LTD is on (DeepSpeed's accessor)."""
+        return self.random_ltd_scheduler is not None
+
     def get_lr(self) -> list[float]:
         """The learning rate of every param group."""
         return [g["lr"] for g in self.optimizer.param_groups]

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime`` on zeal: only the parts scripts import (``data_pipeline``)."""

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.data_pipeline`` on zeal: ``data_routing.helper`` (random-LTD)."""
