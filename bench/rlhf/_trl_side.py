@@ -116,7 +116,7 @@ def run_grpo(spec: dict) -> dict:
                 def __len__(self):
                     return n * G
 
-            return Repeat(None)
+            return Repeat()
 
         def _generate(self, *args, **kwargs):
             t0 = time.perf_counter()
@@ -139,9 +139,77 @@ def run_grpo(spec: dict) -> dict:
     return {"rewards": rewards, "generate_s": times["generate"], "step_s": times["step"], "train_s": wall}
 
 
+def run_ppo(spec: dict) -> dict:
+    """TRL's last PPO (0.29's ``trl.experimental.ppo``, put first on ``PYTHONPATH`` by the
+    driver): policy, reference, value model and a reward model (SmolLM with a scalar head:
+    this PPO takes no Python reward), one PPO epoch per rollout batch."""
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as ppo_mod
+
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+
+    def lm():
+        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+
+    def scalar():
+        return AutoModelForSequenceClassification.from_pretrained(spec["model"], num_labels=1, dtype=torch.float32)
+
+    policy, ref, reward, value = lm(), lm(), scalar(), scalar()
+    for m in (reward, value):
+        m.config.pad_token_id = tok.pad_token_id
+    rows = [{"input_ids": tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]}
+            for p in spec["prompts"]]
+    times = {"generate": [], "step": [], "scores": []}
+    generate = ppo_mod.batch_generation
+
+    def timed_generation(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            times["generate"].append(time.perf_counter() - t0)
+
+    ppo_mod.batch_generation = timed_generation
+
+    class Clock(TrainerCallback):
+        t0 = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            times["step"].append(now - (self.t0 or start))
+            self.t0 = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "objective/scores" in logs:
+                times["scores"].append(logs["objective/scores"])
+
+    B = spec["batch_size"]
+    with tempfile.TemporaryDirectory() as d:
+        args = PPOConfig(**_common_args(spec, d), per_device_train_batch_size=B, gradient_accumulation_steps=1,
+                         num_mini_batches=1, total_episodes=spec["steps"] * B, num_ppo_epochs=1,
+                         response_length=spec["max_new_tokens"], stop_token="eos", temperature=1.0,
+                         local_rollout_forward_batch_size=B, num_sample_generations=0, kl_coef=0.1)
+        trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                             value_model=value, train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+    return {"generate_s": times["generate"], "step_s": times["step"], "reward": times["scores"], "train_s": wall}
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
-    result = {"dpo": run_dpo, "grpo": run_grpo}[spec["job"]](spec)
+    result = {"dpo": run_dpo, "grpo": run_grpo, "ppo": run_ppo}[spec["job"]](spec)
     import trl
 
     result["trl_version"] = trl.__version__

@@ -8,8 +8,9 @@ JSON; zeal runs here. Prints, per job, zeal's figure beside TRL's and the ratio:
 - GRPO: samples (completions) per second and the split of a step into generation,
   training and weight sync, zeal (hybrid engine) against TRL's ``GRPOTrainer``
   (generating with the training model), and the mean reward over the same steps;
-- PPO: TRL 1.16 has no PPO trainer (removed from TRL, not moved to ``trl.experimental``):
-  zeal's time per PPO iteration is printed alone.
+- PPO: time per PPO iteration against TRL's last PPO (TRL 1.16 has none; 0.29.1's
+  ``trl.experimental.ppo``, installed with ``--no-deps`` in a folder of its own and run
+  by TRL's interpreter), both with a reward model (TRL's PPO takes no Python reward).
 
     flock /tmp/zeal-heavy.lock timeout 900 env PYTHONPATH=. python bench/rlhf/bench_trl.py
 """
@@ -30,13 +31,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def trl_side(python: str, spec: dict, timeout: float) -> dict:
+def trl_side(python: str, spec: dict, timeout: float, pythonpath: str | None = None) -> dict:
     """Run ``_trl_side.py`` in TRL's environment on ``spec``; its JSON result."""
     with tempfile.TemporaryDirectory() as d:
         spec_path, out_path = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
         env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "2",
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_CACHE": str(Path(d) / "ds")}
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_CACHE": str(Path(d) / "ds"),
+               "TRL_EXPERIMENTAL_SILENCE": "1", **({"PYTHONPATH": pythonpath} if pythonpath else {})}
         proc = subprocess.run([python, str(HERE / "_trl_side.py"), str(spec_path), str(out_path)], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
@@ -107,16 +109,34 @@ def bench_grpo(args, model_path: str) -> dict:
 
 
 def bench_ppo(args, model_path: str) -> dict:
+    """PPO with a reward model on both sides (TRL's PPO takes no Python reward): SmolLM's
+    trunk with a fresh scalar head (N(0, 0.02), as HF initialises one), frozen."""
     from zeal.rlhf import ppo
-    from zeal.rlhf.tasks import arithmetic_reward, arithmetic_rows
+    from zeal.rlhf.common import load_policy
+    from zeal.rlhf.tasks import arithmetic_rows
+    from zeal.rlhf.value import ValueModel
 
     prompts = [r["prompt"] for r in arithmetic_rows(args.grpo_prompts, seed=args.seed + 1)]
-    rc = {"steps": args.ppo_steps, "batch_size": args.grpo_batch * args.group, "max_new_tokens": args.new_tokens,
-          "seed": args.seed, "log_every": 10**6}
-    res = ppo(model_path, arithmetic_reward, prompts, {**engine_cfg(args), "rlhf": rc})
+    B = args.grpo_batch * args.group
+    torch.manual_seed(args.seed)
+    rm = ValueModel(load_policy(model_path).model)
+    torch.nn.init.normal_(rm.v_head.weight, std=0.02)
+    rc = {"steps": args.ppo_steps, "batch_size": B, "max_new_tokens": args.new_tokens, "seed": args.seed,
+          "log_every": 10**6, "kl_coef": 0.1, "critic_lr": args.lr}
+    res = ppo(model_path, rm, prompts, {**engine_cfg(args), "rlhf": rc})
     m = res.metrics
-    return {"step_s": [r["time_generate_s"] + r["time_train_s"] + r["time_sync_s"] for r in m],
-            "generate_s": [r["time_generate_s"] for r in m], "reward": [r["reward"] for r in m]}
+    gen = torch.Generator().manual_seed(args.seed * 1000003)
+    order = [i for _ in range(args.ppo_steps) for i in torch.randint(len(prompts), (B,), generator=gen).tolist()]
+    out = {"zeal": {"step_s": [r["time_generate_s"] + r["time_train_s"] + r["time_sync_s"] for r in m],
+                    "generate_s": [r["time_generate_s"] for r in m], "reward": [r["reward"] for r in m]},
+           "trl": None, "batch": B}
+    if not Path(args.trl_ppo_path, "trl", "experimental", "ppo").is_dir():
+        return out
+    spec = {"job": "ppo", "model": model_path, "prompts": [prompts[i] for i in order], "steps": args.ppo_steps,
+            "batch_size": B, "max_new_tokens": args.new_tokens, "lr": args.lr, "optimizer": args.optimizer,
+            "grad_clip": args.grad_clip, "seed": args.seed}
+    out["trl"] = trl_side(args.trl_python, spec, args.timeout, pythonpath=args.trl_ppo_path)
+    return out
 
 
 def _mean(xs: list[float]) -> float:
@@ -158,17 +178,30 @@ def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args) -> int:
         print(f"{'mean reward':>22} {_mean(z['reward']):>10.3f} {_mean(t['reward']):>10.3f}")
         print(f"{'last-step reward':>22} {z['reward'][-1]:>10.3f} {t['reward'][-1]:>10.3f}")
     if ppo is not None:
-        skip = 1 if len(ppo["step_s"]) > 1 else 0
-        print(f"\nPPO ({args.ppo_steps} iterations x {args.grpo_batch * args.group} prompts, {args.new_tokens} new "
-              f"tokens): zeal {_mean(ppo['step_s'][skip:]):.2f} s per iteration (generation "
-              f"{_mean(ppo['generate_s'][skip:]):.2f} s), mean reward {_mean(ppo['reward']):.3f}; TRL: no PPO "
-              "trainer in TRL >= 1.0 (not in trl.experimental either), not measured")
+        z, t = ppo["zeal"], ppo["trl"]
+        skip = 1 if len(z["step_s"]) > 1 else 0
+        print(f"\nPPO ({args.ppo_steps} iterations x {ppo['batch']} prompts, {args.new_tokens} new tokens, 1 PPO "
+              f"epoch, reward model = SmolLM + random scalar head; mean over iterations {skip + 1}..)")
+        if t is None:
+            print(f"zeal {_mean(z['step_s'][skip:]):.2f} s per iteration (generation {_mean(z['generate_s'][skip:]):.2f}"
+                  f" s); TRL: no PPO in TRL >= 1.0, and no TRL 0.29 under --trl-ppo-path: not measured")
+        else:
+            zs, ts = _mean(z["step_s"][skip:]), _mean(t["step_s"][skip:])
+            zg, tg = _mean(z["generate_s"][skip:]), _mean(t["generate_s"][skip:])
+            print(f"{'':>22} {'zeal':>10} {'TRL 0.29':>10} {'TRL/zeal':>9}")
+            print(f"{'s per iteration':>22} {zs:>10.2f} {ts:>10.2f} {ts / zs:>8.2f}x")
+            print(f"{'  generation s':>22} {zg:>10.2f} {tg:>10.2f} {tg / zg:>8.2f}x")
+            print(f"{'reward per iteration':>22} {' '.join(f'{x:.3f}' for x in z['reward']):>10} | "
+                  f"{' '.join(f'{x:.3f}' for x in t['reward'])}")
     return rc
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trl-python", default="/work/peers/trl/bin/python")
+    ap.add_argument("--trl-ppo-path", default="/work/peers/trl_ppo",
+                    help="a folder holding TRL 0.29 (pip install --no-deps --target it trl==0.29.1), the last "
+                    "release with PPO, put first on the TRL side's PYTHONPATH")
     ap.add_argument("--jobs", default="dpo,grpo,ppo", help="comma-separated: dpo, grpo, ppo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", default="AdamW", choices=["AdamW", "SGD"])
@@ -186,16 +219,23 @@ def main() -> int:
     ap.add_argument("--grpo-beta", type=float, default=0.04)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--ppo-steps", type=int, default=3)
+    ap.add_argument("--json", help="also write the raw figures to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for each TRL run")
     args = ap.parse_args()
     from zeal.models.hf import default_model_path
 
     model_path = str(default_model_path())
     jobs = set(args.jobs.split(","))
-    dpo = bench_dpo(args, model_path) if "dpo" in jobs else None
-    grpo = bench_grpo(args, model_path) if "grpo" in jobs else None
-    ppo = bench_ppo(args, model_path) if "ppo" in jobs else None
-    return report(dpo, grpo, ppo, args)
+    results = {}
+    for name, fn in (("dpo", bench_dpo), ("grpo", bench_grpo), ("ppo", bench_ppo)):
+        if name in jobs:
+            try:
+                results[name] = fn(args, model_path)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # one side failing does not lose the others
+                print(f"{name}: {e}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results))
+    return report(results.get("dpo"), results.get("grpo"), results.get("ppo"), args)
 
 
 if __name__ == "__main__":
