@@ -155,13 +155,15 @@ class RunLog:
             print(f"[{self.job}] step {step}/{self.rc.steps} {shown}", flush=True)
         return rec
 
+    def saves(self, step: int, final: bool = False) -> bool:
+        """Whether :meth:`checkpoint` saves at ``step``."""
+        every = self.rc.save_every
+        return self.ckpt_dir is not None and (final or bool(every and step % every == 0))
+
     def checkpoint(self, engine, step: int, final: bool = False, sub: str | None = None) -> None:
         """Every rank calls it; saves at ``save_every`` and at the end (``sub``: a second
         engine's checkpoints, saved before the main one, whose ``latest`` marks a resumable run)."""
-        if self.ckpt_dir is None:
-            return
-        every = self.rc.save_every
-        if final or (every and step % every == 0):
+        if self.saves(step, final):
             where = self.ckpt_dir / sub if sub else self.ckpt_dir
             engine.save_checkpoint(str(where), tag=f"step{step}", client_state={"rlhf_step": step})
 

@@ -52,7 +52,8 @@ class RLHFConfig(BaseModel):
     lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: λ of GAE.")
     whiten_advantages: bool = Field(False, description="PPO: whiten advantages over the batch's answer tokens.")
     critic_lr: float = Field(5e-6, gt=0.0, description="PPO: the critic's learning rate.")
-    ema: float | None = Field(None, description="PPO: β of an EMA of the actor's weights (e.g. 0.992); None: off.")
+    ema: float | None = Field(None, description="PPO: β of an EMA of the actor's weights (e.g. 0.992; saved "
+                              "with every checkpoint and restored on resume); None: off.")
     unsup_coef: float = Field(0.0, ge=0.0, description="PPO: weight of the unsupervised LM loss mixed in "
                               "(PPO-ptx; needs SFT-style data); 0: off.")
     # DPO / RM

@@ -44,13 +44,62 @@ def encode_answer(answer: Any, tok: Tokenizer | None, eos_ids: list[int]) -> lis
     return [int(t) for t in answer]
 
 
+def _is_messages(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _text_pair(row: dict, tok: Tokenizer, eos_ids: list[int], rc: RLHFConfig) -> tuple[list[int], list[list[int]]]:
+    """A text preference row tokenised as TRL's ``DPOTrainer`` does: prompt + answer as one
+    sequence (the chat template renders the whole conversation, so an answer ends with
+    whatever the template puts after the assistant turn, e.g. ``<|im_end|>\n``; plain
+    text ends with the end-of-sequence token), the answer being what follows the prefix
+    that the prompt alone shares with both."""
+    prompt, answers = row["prompt"], [row["chosen"], row["rejected"]]
+    chat = _is_messages(prompt) or rc.chat
+    if chat:
+        msgs = prompt if _is_messages(prompt) else [{"role": "user", "content": prompt}]
+        p = tok.encode_chat(msgs)
+        turns = [a if _is_messages(a) else [{"role": "assistant", "content": a}] for a in answers]
+        full = [tok.encode(tok.render_chat(msgs + t, add_generation_prompt=False), add_special_tokens=False)
+                for t in turns]
+    else:
+        if any(_is_messages(a) for a in answers):
+            raise ValueError("a preference row with a text prompt has chat-message answers: give both as messages")
+        p = tok.encode(prompt)
+        full = [tok.encode(prompt + a) for a in answers]
+        full = [f if f[-1:] == eos_ids[:1] else f + eos_ids[:1] for f in full]
+    n = min(_common_prefix(p, f) for f in full)
+    return full[0][:n], [f[n:] for f in full]
+
+
 def encode_pair(row: dict, tok: Tokenizer | None, eos_ids: list[int], rc: RLHFConfig) -> tuple[list[int], list[int],
                                                                                                  list[int]]:
-    """``(prompt, chosen, rejected)`` ids of a preference row, answers cut so that prompt +
-    answer fits ``max_seq_len``."""
-    p = encode_prompt(row["prompt"], tok, rc)
+    """``(prompt, chosen, rejected)`` ids of a preference row, the prompt cut to its last
+    ``max_prompt_len`` tokens and the answers so that prompt + answer fits ``max_seq_len``.
+    Texts (or chat messages) are tokenised as TRL does (see :func:`_text_pair`); token-id
+    lists are taken as they are."""
+    texts = all(isinstance(row[k], str) or _is_messages(row[k]) for k in ("prompt", "chosen", "rejected"))
+    if texts:
+        if tok is None:
+            raise ValueError("text preference rows need a tokenizer (the model has none): give token ids")
+        p, (c, r) = _text_pair(row, tok, eos_ids, rc)
+        if not p:
+            raise ValueError("a prompt is empty")
+        p = p[-rc.max_prompt_len:]
+    else:
+        p = encode_prompt(row["prompt"], tok, rc)
+        c, r = (encode_answer(row[k], tok, eos_ids) for k in ("chosen", "rejected"))
     room = max(1, rc.max_seq_len - len(p))
-    return p, encode_answer(row["chosen"], tok, eos_ids)[:room], encode_answer(row["rejected"], tok, eos_ids)[:room]
+    return p, c[:room], r[:room]
 
 
 def encode_sft(row: dict, tok: Tokenizer | None, eos_ids: list[int], rc: RLHFConfig) -> tuple[list[int], list[int]]:

@@ -7,8 +7,11 @@ mixed in, and an EMA of the actor) and the clipped critic loss."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +35,8 @@ from zeal.rlhf.grpo_trainer import score
 from zeal.rlhf.hybrid import HybridEngine
 from zeal.rlhf.value import ValueModel, end_scores
 
+log = logging.getLogger("zeal.rlhf")
+
 
 class EMA:
     """An fp32 moving average of the actor's full weights (gathered unit by unit at stage 3)."""
@@ -43,6 +48,42 @@ class EMA:
     def update(self, engine) -> None:
         for name, p in engine.iter_gathered_parameters():
             fm.ema_update([self.params[name]], [p.detach().float().cpu()], self.beta)
+
+    def save(self, path: Path) -> None:
+        """Write the average as safetensors (a temporary file renamed into place)."""
+        from safetensors.torch import save_file
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({k: v.contiguous() for k, v in self.params.items()}, str(tmp))
+        os.replace(tmp, path)
+
+    def load(self, path: Path) -> None:
+        """Replace the average with the one saved at ``path`` (the same parameter names)."""
+        from safetensors.torch import load_file
+
+        saved = load_file(str(path))
+        if set(saved) != set(self.params):
+            missing = sorted(set(self.params) ^ set(saved))
+            raise ValueError(f"{path}: the EMA's parameters do not match the actor's (e.g. {missing[0]})")
+        self.params = {k: v.float() for k, v in saved.items()}
+
+
+def _ema_file(run: RunLog, tag: str) -> Path:
+    return run.ckpt_dir / "ema" / f"{tag}.safetensors"
+
+
+def _resume_ema(ema: EMA, run: RunLog) -> None:
+    """The EMA saved with the checkpoint the run resumes from (a checkpoint without one,
+    from before the EMA was saved: the average restarts from the resumed weights)."""
+    from zeal.checkpoint.files import read_latest
+
+    tag = read_latest(run.ckpt_dir)
+    path = _ema_file(run, tag) if tag else None
+    if path is not None and path.exists():
+        ema.load(path)
+    else:
+        log.warning("ppo: checkpoint %s holds no actor EMA; the EMA restarts from the resumed weights", tag)
 
 
 def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts: Sequence[Any], config: Any = None, *,
@@ -66,11 +107,13 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     actor = build_engine(pol.model, engine_cfg, rc.batch_size)
     critic_engine = build_engine(critic, engine_cfg, rc.batch_size, lr=rc.critic_lr)
     hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes)
-    ema = EMA(actor, rc.ema) if rc.ema is not None else None
     run = RunLog(out, actor.rank, "ppo", rc)
     start = run.resume(actor)
     if start:
         run.resume(critic_engine, sub="critic")
+    ema = EMA(actor, rc.ema) if rc.ema is not None else None
+    if ema is not None and start:
+        _resume_ema(ema, run)
     gen.manual_seed(rc.seed * 1000003 + actor.rank)
     for _ in range(start):
         torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen)
@@ -96,11 +139,11 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         run.log(step, reward=scores.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
                 time_sync_s=times.sync, **stats)
         run.checkpoint(critic_engine, step, final=step == rc.steps, sub="critic")
+        if ema is not None and run.enabled and run.saves(step, final=step == rc.steps):
+            ema.save(_ema_file(run, f"step{step}"))  # before the actor's checkpoint, whose `latest` commits
         run.checkpoint(actor, step, final=step == rc.steps)
     if ema is not None and run.enabled:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in ema.params.items()}, str(run.out / "actor_ema.safetensors"))
+        ema.save(run.out / "actor_ema.safetensors")
     run.close()
     return RunResult(actor, run.records, run.out, {"critic": critic_engine, "hybrid": hybrid, "ema": ema})
 

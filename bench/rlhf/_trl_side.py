@@ -1,0 +1,221 @@
+"""TRL's side of ``bench_trl.py``; runs in TRL's own virtual environment (never zeal's):
+
+    /work/peers/trl/bin/python bench/rlhf/_trl_side.py SPEC.json OUT.json
+
+``SPEC.json`` (written by ``bench_trl.py``): ``{"job": "dpo" | "grpo", "model": folder, ...}``.
+DPO: the rows in the order zeal visits them (a sequential sampler, no shuffling), one
+record per optimizer step (the exact loss tensor, not the rounded logged value). GRPO:
+the prompts in zeal's order, time per step split into generation (``model.generate``
+with the training weights) and the rest, the mean reward of every step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _common_args(spec: dict, out_dir: str) -> dict:
+    return {"output_dir": out_dir, "max_steps": spec["steps"], "learning_rate": spec["lr"],
+            "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": spec["grad_clip"],
+            "optim": "sgd" if spec["optimizer"] == "SGD" else "adamw_torch", "logging_steps": 1,
+            "save_strategy": "no", "report_to": [], "seed": spec["seed"], "use_cpu": True, "bf16": False,
+            "fp16": False, "disable_tqdm": True, "dataloader_num_workers": 0}
+
+
+def _sequential(cls):
+    """``cls`` with the training rows taken in dataset order (zeal's order is in the spec)."""
+    from torch.utils.data import SequentialSampler
+
+    class Sequential(cls):
+        def _get_train_sampler(self, *args, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    return Sequential
+
+
+def run_dpo(spec: dict) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"]}],
+             "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in spec["rows"]]
+    steps: list[dict] = []
+
+    class Recording(_sequential(DPOTrainer)):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            m = self._metrics["train"]
+            steps.append({"loss": float(loss.detach()), "logps_chosen": m["logps/chosen"][-1],
+                          "logps_rejected": m["logps/rejected"][-1], "margin": m["rewards/margins"][-1],
+                          "n_tokens": int(inputs["completion_mask"].sum()),
+                          "input_ids": inputs["input_ids"].tolist(),
+                          "completion_mask": inputs["completion_mask"].tolist()})
+            return loss
+
+    with tempfile.TemporaryDirectory() as d:
+        args = DPOConfig(**_common_args(spec, d), per_device_train_batch_size=spec["batch_size"],
+                         beta=spec["beta"], loss_type=["sigmoid"], max_length=spec["max_length"])
+        trainer = Recording(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    return {"steps": steps, "train_s": wall}
+
+
+def run_grpo(spec: dict) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    sys.path.insert(0, spec["zeal_root"])  # only the task's reward function (pure Python, no torch state)
+    from zeal.rlhf.tasks import arithmetic_reward
+
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    G = spec["num_generations"]
+    # every prompt repeated G times in a row: TRL's sampler groups them, the sequential one keeps zeal's order
+    rows = [{"prompt": [{"role": "user", "content": p}], "question": p} for p in spec["prompts"]]
+    rewards: list[float] = []
+    times = {"generate": [], "step": []}
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times["step"].append(time.perf_counter() - self.t0)
+
+    def reward_fn(prompts, completions, question, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        out = arithmetic_reward(list(question), texts)
+        rewards.append(sum(out) / len(out))
+        return out
+
+    class Timed(GRPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            from torch.utils.data import Sampler
+
+            n = len(self.train_dataset)
+
+            class Repeat(Sampler):
+                def __iter__(self):
+                    return iter([i for i in range(n) for _ in range(G)])
+
+                def __len__(self):
+                    return n * G
+
+            return Repeat()
+
+        def _generate(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super()._generate(*args, **kwargs)
+            finally:
+                times["generate"].append(time.perf_counter() - t0)
+
+    with tempfile.TemporaryDirectory() as d:
+        args = GRPOConfig(**_common_args(spec, d), per_device_train_batch_size=spec["batch_size"] * G,
+                          num_generations=G, max_completion_length=spec["max_new_tokens"],
+                          temperature=spec["temperature"], top_p=1.0, top_k=0, beta=spec["beta"],
+                          epsilon=spec["clip"], loss_type="grpo", scale_rewards="group", num_iterations=1,
+                          shuffle_dataset=False, log_completions=False)
+        trainer = Timed(model=model, reward_funcs=reward_fn, args=args, train_dataset=Dataset.from_list(rows),
+                        processing_class=tok, callbacks=[StepClock()])
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    return {"rewards": rewards, "generate_s": times["generate"], "step_s": times["step"], "train_s": wall}
+
+
+def run_ppo(spec: dict) -> dict:
+    """TRL's last PPO (0.29's ``trl.experimental.ppo``, put first on ``PYTHONPATH`` by the
+    driver): policy, reference, value model and a reward model (SmolLM with a scalar head:
+    this PPO takes no Python reward), one PPO epoch per rollout batch."""
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        TrainerCallback,
+    )
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as ppo_mod
+
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model"], padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+
+    def lm():
+        return AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+
+    def scalar():
+        return AutoModelForSequenceClassification.from_pretrained(spec["model"], num_labels=1, dtype=torch.float32)
+
+    policy, ref, reward, value = lm(), lm(), scalar(), scalar()
+    for m in (reward, value):
+        m.config.pad_token_id = tok.pad_token_id
+    rows = [{"input_ids": tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]}
+            for p in spec["prompts"]]
+    times = {"generate": [], "step": [], "scores": []}
+    generate = ppo_mod.batch_generation
+
+    def timed_generation(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            times["generate"].append(time.perf_counter() - t0)
+
+    ppo_mod.batch_generation = timed_generation
+
+    class Clock(TrainerCallback):
+        t0 = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            times["step"].append(now - (self.t0 or start))
+            self.t0 = now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "objective/scores" in logs:
+                times["scores"].append(logs["objective/scores"])
+
+    B = spec["batch_size"]
+    with tempfile.TemporaryDirectory() as d:
+        args = PPOConfig(**_common_args(spec, d), per_device_train_batch_size=B, gradient_accumulation_steps=1,
+                         num_mini_batches=1, total_episodes=spec["steps"] * B, num_ppo_epochs=1,
+                         response_length=spec["max_new_tokens"], stop_token="eos", temperature=1.0,
+                         local_rollout_forward_batch_size=B, num_sample_generations=0, kl_coef=0.1)
+        trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                             value_model=value, train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+    return {"generate_s": times["generate"], "step_s": times["step"], "reward": times["scores"], "train_s": wall}
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    result = {"dpo": run_dpo, "grpo": run_grpo, "ppo": run_ppo}[spec["job"]](spec)
+    import trl
+
+    result["trl_version"] = trl.__version__
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
