@@ -167,6 +167,8 @@ class LLM:
     def _add(self, prompt, params: SamplingParams) -> str:
         if not self.is_driver:
             raise RuntimeError("this rank is a tensor-parallel worker: generate on rank 0")
+        if self.tp is not None and self.tp.closed:
+            raise RuntimeError("the tensor-parallel group was shut down")
         rid = uuid.uuid4().hex
         self.engine.add_request(rid, prompt, params)
         return rid

@@ -164,14 +164,14 @@ class ModelRunner:
                 p.sample_rows.append(row0 + n - 1)
             if c.num_draft:  # each fed token attends as a decode would (the same kernel, the same sums)
                 p.dec_rows.extend(range(row0, row0 + n))
-                p.dec_tables.extend([list(table)] * n)
+                p.dec_tables.extend([table] * n)
                 p.dec_lens.extend(range(start + 1, start + n + 1))
             elif n == 1 and start > 0:
                 p.dec_rows.append(row0)
-                p.dec_tables.append(list(table))
+                p.dec_tables.append(table)
                 p.dec_lens.append(start + 1)
             else:
-                p.prefills.append([row0, n, start + n, list(table)])
+                p.prefills.append([row0, n, start + n, table])
         return p
 
     def prepare(self, out: SchedulerOutput | StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,

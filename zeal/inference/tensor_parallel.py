@@ -37,7 +37,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -132,6 +131,11 @@ class TensorParallelGroup:
     def is_driver(self) -> bool:
         """Rank 0: the one with the scheduler."""
         return self.rank == 0
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` ran."""
+        return self._closed
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Split ``model`` in place over the group (the training split rules); returns it."""
@@ -260,12 +264,6 @@ def join_tensor_parallel(size: int) -> TensorParallelGroup:
     return TensorParallelGroup(build_mesh(ctx, tp=size))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None] | None = None
                           ) -> TensorParallelGroup:
     """Rank 0 of a new group: start ranks 1..size-1 as ``python -m zeal.inference.tp_worker
@@ -275,30 +273,40 @@ def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None]
     from zeal.dist.forensics import comm_timeout_s
     from zeal.dist.mesh import build_mesh
 
-    port = _free_port()
+    timeout = datetime.timedelta(seconds=comm_timeout_s(None))
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
     threads = max(1, torch.get_num_threads() // size)
     procs = []
     for r in range(1, size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": str(r),
                "WORLD_SIZE": str(size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(size),
                "OMP_NUM_THREADS": str(threads)}
         procs.append(subprocess.Popen([sys.executable, "-m", "zeal.inference.tp_worker", json.dumps(spec)], env=env))
     torch.set_num_threads(threads)
-    group = None
+    joined = threading.Event()
+    if on_death is not None:  # a rank that dies before joining would leave this one waiting
+        threading.Thread(target=_watch_startup, args=(procs, joined, on_death), daemon=True).start()
     try:
         backend = "nccl" if torch.cuda.is_available() and str(spec.get("device", "cpu")).startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
-                                timeout=datetime.timedelta(seconds=comm_timeout_s(None)))
-        group = TensorParallelGroup(build_mesh(init_distributed(), tp=size), procs, owns_group=True,
-                                    on_death=on_death)
-        return group
+        dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
+        mesh = build_mesh(init_distributed(), tp=size)
     except BaseException:
-        if group is None:
-            for p in procs:
-                p.kill()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        joined.set()
+        for p in procs:
+            p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise
+    joined.set()
+    return TensorParallelGroup(mesh, procs, owns_group=True, on_death=on_death)
+
+
+def _watch_startup(procs: list[subprocess.Popen], joined: threading.Event, on_death: Callable[[str], None]) -> None:
+    while not joined.wait(0.2):
+        for r, p in enumerate(procs, start=1):
+            if p.poll() is not None and not joined.is_set():
+                on_death(f"tensor-parallel rank {r} exited with code {p.returncode} before joining")
+                return
 
 
 def load_split(path, size: int, dtype: torch.dtype, device: str,
