@@ -141,12 +141,16 @@ def _serve(llama_dir: Path, *flags: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_cli_refuses_a_size_that_does_not_divide_the_heads(llama_dir):
-    proc = _serve(llama_dir, "--tensor-parallel-size", "3")
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    lines = [ln for ln in err.splitlines() if ln.startswith("zeal serve:")]
-    assert lines == ["zeal serve: tensor_parallel_size 3 does not divide the model's 4 attention heads"], err
+def test_cli_refuses_a_size_that_does_not_divide_the_heads(llama_dir, monkeypatch, capsys):
+    from zeal.cli.serve import main
+
+    monkeypatch.setattr("zeal.utils.process.apply_process_settings", lambda *_: {})  # no process-wide settings
+    assert main([str(llama_dir), "--tensor-parallel-size", "3", "--dtype", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert err == "zeal serve: tensor_parallel_size 3 does not divide the model's 4 attention heads\n"
+    assert main([str(llama_dir), "--tensor-parallel-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zeal serve: ") and "tensor_parallel_size" in err and err.count("\n") == 1, err
 
 
 def _children(pid: int) -> list[int]:
@@ -176,7 +180,7 @@ def test_zeal_serve_tp2_over_http_then_a_dead_rank_stops_it(llama_dir):
                 time.sleep(0.3)
         prompts = _prompts()[:3]
         got = _post(base + "/v1/completions", {"model": llama_dir.name, "prompt": prompts, "max_tokens": 8,
-                                               "temperature": 0, "logprobs": 0})
+                                               "temperature": 0})
         from zeal.inference import LLM, SamplingParams
 
         ref = LLM(llama_dir).generate(prompts, SamplingParams(max_tokens=8, temperature=0))
