@@ -23,7 +23,8 @@ Two ways to get the ranks:
   tensor_parallel_size=T)`` in a plain process): rank 0 is this process and starts one
   ``python -m zeal.inference.tp_worker`` subprocess per other rank, with torchrun's
   variables, and stops them on exit. A rank that dies is reported by rank, and
-  ``zeal serve`` then exits.
+  ``zeal serve`` then exits (``LLM`` raises it at the next pass; one that dies before
+  joining the group leaves ``LLM`` waiting until the process group's timeout).
 
 The fused CPU kernels take their head counts from the tensors they get, so they run on
 the local heads unchanged. Not under tensor parallelism: ``load_weights``, ``sleep``
@@ -37,6 +38,7 @@ import contextlib
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -264,6 +266,12 @@ def join_tensor_parallel(size: int) -> TensorParallelGroup:
     return TensorParallelGroup(build_mesh(ctx, tp=size))
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None] | None = None
                           ) -> TensorParallelGroup:
     """Rank 0 of a new group: start ranks 1..size-1 as ``python -m zeal.inference.tp_worker
@@ -274,11 +282,11 @@ def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None]
     from zeal.dist.mesh import build_mesh
 
     timeout = datetime.timedelta(seconds=comm_timeout_s(None))
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+    port = _free_port()
     threads = max(1, torch.get_num_threads() // size)
     procs = []
     for r in range(1, size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": str(r),
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
                "WORLD_SIZE": str(size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(size),
                "OMP_NUM_THREADS": str(threads)}
         procs.append(subprocess.Popen([sys.executable, "-m", "zeal.inference.tp_worker", json.dumps(spec)], env=env))
@@ -288,7 +296,8 @@ def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None]
         threading.Thread(target=_watch_startup, args=(procs, joined, on_death), daemon=True).start()
     try:
         backend = "nccl" if torch.cuda.is_available() and str(spec.get("device", "cpu")).startswith("cuda") else "gloo"
-        dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=timeout)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+                                timeout=timeout)
         mesh = build_mesh(init_distributed(), tp=size)
     except BaseException:
         joined.set()
