@@ -62,7 +62,8 @@ def test_serve_flags_come_from_the_inference_section(capsys):
     flags = ["--host", "--port", "--api-key", "--served-model-name", "--dtype", "--device", "--block-size",
              "--num-blocks", "--kv-cache-mb", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len",
              "--max-waiting", "--no-prefix-caching", "--threads", "--log-level", "--no-transparent-hugepages",
-             "--speculative-config", "--weights-offload", "--max-resident-weights-gb", "--offload-dir"]
+             "--speculative-config", "--weights-offload", "--max-resident-weights-gb", "--offload-dir",
+             "--tensor-parallel-size"]
     for flag in flags:
         assert flag in out, flag
     limit_flags = ["--max-body-bytes", "--max-n", "--max-prompts", "--body-read-timeout-s", "--header-read-timeout-s",

@@ -120,8 +120,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_rank_death(message: str) -> None:
+    """A tensor-parallel rank died: the server cannot go on (its passes need every rank)."""
+    import os
+
+    print(f"zeal serve: {message}; stopping", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 def build(cfg: InferenceConfig | argparse.Namespace):
-    """Load the model and return ``(app, model_name)``."""
+    """Load the model and return ``(app, model_name)``; under tensor parallelism, on ranks
+    1..T-1 of a launched job, serve rank 0's passes until it stops and return ``(None, name)``."""
     from pathlib import Path
 
     import torch
@@ -134,12 +143,29 @@ def build(cfg: InferenceConfig | argparse.Namespace):
     if isinstance(cfg, argparse.Namespace):
         cfg = config_from_args(cfg)
     path = resolve_model_path(cfg.model)
-    offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir)
-    model, tok, eos = load_model_and_tokenizer(path, getattr(torch, resolve_dtype(cfg.dtype, cfg.device)), cfg.device,
-                                               offload)
-    engine = LLMEngine(model, tok, cfg.engine, eos)
+    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
     srv = cfg.server
     name = srv.served_model_name or (Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct")
+    tp = None
+    if cfg.tensor_parallel_size > 1:
+        from zeal.inference.tensor_parallel import load_split
+
+        if cfg.weights_offload != "none":
+            raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
+                             f"{cfg.tensor_parallel_size}")
+        model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)
+        if not tp.is_driver:
+            tp.serve(model)
+            return None, name
+    else:
+        offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir)
+        model, tok, eos = load_model_and_tokenizer(path, dtype, cfg.device, offload)
+    try:
+        engine = LLMEngine(model, tok, cfg.engine, eos, tp=tp)
+    except BaseException:
+        if tp is not None:
+            tp.shutdown()
+        raise
     return build_app(AsyncEngine(engine, srv.max_waiting), name, srv.api_key, srv.limits), name
 
 
@@ -162,12 +188,14 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"zeal serve: {e}", file=sys.stderr)
         return 2
+    if app is None:  # a tensor-parallel rank other than 0: rank 0 has stopped the group
+        return 0
     from zeal.inference.server import uvicorn_limits
 
     print(f"zeal serve: {name} on http://{srv.host}:{srv.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, timeout_graceful_shutdown=5,
                 **uvicorn_limits(srv.limits))
-    return 0
+    return 0  # under tensor parallelism the other ranks are stopped at exit
 
 
 def main(argv: list[str] | None = None) -> int:

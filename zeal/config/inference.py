@@ -116,6 +116,10 @@ class InferenceConfig(Section):
     offload_dir: str | None = Field(
         None, description="Folder of the layer files with weights_offload (written once per model and dtype); "
         "None = under zeal's cache.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks the model is split over (Megatron column/row split of attention and MLP, "
+        "each rank caching its own key/value heads); zeal serve starts the other ranks itself (or runs under "
+        "torchrun); 1 = one process.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="KV cache and batching.")
     server: ServerConfig = Field(default_factory=ServerConfig, description="The HTTP server.")
     process: ProcessConfig = Field(

@@ -51,15 +51,21 @@ class LLMEngine:
     """Continuous-batching engine over one model (scheduler + block manager + runner + sampler)."""
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, tp=None) -> None:
+        """``tp``: rank 0's :class:`zeal.inference.tensor_parallel.TensorParallelGroup` when
+        ``model`` is split over tensor-parallel ranks (None: one process)."""
         self.config = cfg = config or EngineConfig()
+        self.tp = tp
         self.tokenizer = tokenizer
         smodel = as_serving_model(model)
         p = next(smodel.parameters())
         # on CPU, decode attention runs one small matmul per block: larger blocks amortise them
         bs = cfg.block_size or (64 if p.device.type == "cpu" else 16)
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, bs, p.dtype))
-        self.runner = ModelRunner(smodel, num_blocks, bs)
+        tp_size = tp.size if tp is not None else 1  # kv_cache_bytes is per rank: each caches its own heads
+        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
+        self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size)
+        if tp is not None:
+            tp.attach(self.runner)  # the other ranks build their runners alike and follow rank 0's passes
         self.bm = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs), self.bm)
         self.max_model_len = min(cfg.max_model_len or smodel.max_positions, smodel.max_positions)
@@ -143,6 +149,7 @@ class LLMEngine:
         """New weights in place (RLHF); cached prefixes were computed with the old ones, so drop them.
         Allowed while asleep: weights released by :meth:`sleep` come back first (the KV cache
         stays released until :meth:`wake_up`)."""
+        self._refuse_under_tp("load_weights")
         restore(self._weights_released)
         n = self.runner.load_weights(named_tensors)
         self._weights_discarded = False
@@ -156,6 +163,7 @@ class LLMEngine:
         when they live on an accelerator. Level 2 frees the KV cache and discards the
         weights: :meth:`load_weights` must give new ones before generating again.
         Refused while requests are unfinished; :meth:`wake_up` takes the memory back."""
+        self._refuse_under_tp("sleep")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._sleep_level:
@@ -188,6 +196,11 @@ class LLMEngine:
     def sleep_level(self) -> int:
         """0 awake, else the level given to :meth:`sleep`."""
         return self._sleep_level
+
+    def _refuse_under_tp(self, what: str) -> None:
+        if self.tp is not None:
+            raise ValueError(f"{what} is not supported with tensor_parallel_size {self.tp.size} (the weights "
+                             "and KV cache are split over ranks); serve with tensor_parallel_size 1")
 
     def _check_awake(self) -> None:
         if self._sleep_level:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import uuid
 from collections.abc import Iterator
@@ -93,14 +94,28 @@ class LLM:
     ``weights_offload`` (``"disk"``, or ``"cpu"`` on an accelerator) with
     ``max_resident_weights_gb`` serves a model larger than that budget by streaming its
     decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`).
+
+    ``tensor_parallel_size=T`` splits the model over ``T`` ranks
+    (:mod:`zeal.inference.tensor_parallel`). In a plain process (a model folder or None)
+    this process becomes rank 0 and starts the others; :meth:`shutdown` (or exit) stops
+    them. In a launched job of ``T`` ranks (torchrun) every rank constructs its ``LLM``
+    (a folder, or the same model instance, which is copied before it is split): rank 0's
+    generates, the others' constructors serve rank 0's passes and return when rank 0
+    calls :meth:`shutdown` (``is_driver`` is False there).
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module | None = None, tokenizer: Tokenizer | str | None = None,
                  *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  eos_token_ids: list[int] | None = None, weights_offload: str = "none",
                  max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
-                 **engine_kwargs) -> None:
+                 tensor_parallel_size: int = 1, **engine_kwargs) -> None:
         offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir)
+        self.tp = None
+        self.is_driver = True
+        if tensor_parallel_size != 1:
+            self._init_tensor_parallel(model, tokenizer, dtype, device, eos_token_ids, weights_offload,
+                                       tensor_parallel_size, engine_kwargs)
+            return
         if isinstance(model, nn.Module):
             if weights_offload != "none":
                 raise ValueError("weights_offload needs a model folder (its layers are streamed from files)")
@@ -113,7 +128,47 @@ class LLM:
         self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos)
         self.tokenizer = tok
 
+    def _init_tensor_parallel(self, model, tokenizer, dtype, device, eos_token_ids, weights_offload: str,
+                              size: int, engine_kwargs: dict) -> None:
+        from zeal.inference import tensor_parallel as tpmod
+
+        if weights_offload != "none":
+            raise ValueError(f"weights_offload {weights_offload!r} is not supported with tensor_parallel_size {size}")
+        if isinstance(model, nn.Module):
+            if not tpmod.in_launched_job():
+                raise ValueError(f"LLM(model instance, tensor_parallel_size={size}) needs its {size} ranks launched "
+                                 "already (torchrun, one LLM per rank); pass a model folder to let zeal start them")
+            tpmod.check_tp_size(model, size)
+            module, tok, eos = copy.deepcopy(model).eval(), None, list(eos_token_ids or [])
+            self.tp = tpmod.join_tensor_parallel(size)
+            self.tp.shard(module)
+        else:
+            module, tok, eos, self.tp = tpmod.load_split(model, size, dtype, str(device))
+            eos += list(eos_token_ids or [])
+        if tokenizer is not None:
+            tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        self.tokenizer = tok
+        if not self.tp.is_driver:  # ranks 1..T-1: follow rank 0's passes until it shuts the group down
+            self.is_driver, self.engine = False, None
+            self.tp.serve(module)
+            return
+        try:
+            self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos, tp=self.tp)
+        except BaseException:
+            self.tp.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Tensor parallelism, rank 0: stop the other ranks (and the processes zeal started);
+        also done at exit. A no-op in one process."""
+        if self.tp is not None and self.is_driver:
+            self.tp.shutdown()
+
     def _add(self, prompt, params: SamplingParams) -> str:
+        if not self.is_driver:
+            raise RuntimeError("this rank is a tensor-parallel worker: generate on rank 0")
+        if self.tp is not None and self.tp.closed:
+            raise RuntimeError("the tensor-parallel group was shut down")
         rid = uuid.uuid4().hex
         self.engine.add_request(rid, prompt, params)
         return rid

@@ -3,7 +3,9 @@ and the translation of a :class:`SchedulerOutput` into one forward pass."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -34,9 +36,39 @@ def as_serving_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one KV-cache block on one rank (``tp_size`` ranks share the key/value heads)."""
     elt = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * elt
+    return 2 * model.num_layers * block_size * (model.num_kv_heads // tp_size) * model.head_dim * elt
+
+
+@dataclass
+class StepPlan:
+    """One forward pass as plain integers (what tensor-parallel ranks receive, as JSON):
+    block ``copies`` to do first, the flat batch's token ``ids``, ``pos`` and cache
+    ``slots``, the ``sample_rows`` to project, the decodes (rows, block tables, context
+    lengths) and the prompt chunks ``[first row, tokens, context length, block table]``."""
+
+    copies: list[list[int]] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    dec_rows: list[int] = field(default_factory=list)
+    dec_tables: list[list[int]] = field(default_factory=list)
+    dec_lens: list[int] = field(default_factory=list)
+    prefills: list[list] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.ids
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StepPlan:
+        return cls(**json.loads(data))
 
 
 class ModelRunner:
@@ -45,13 +77,18 @@ class ModelRunner:
     The model's layer modules are called as they are (through ``__call__``, so hooks such
     as ZeRO-3's gather/release fire), each given a :class:`PagedAttention` for the pass.
 
+    Under tensor parallelism every rank runs one (its model split, its cache holding its
+    own key/value heads); rank 0's :meth:`execute` sends each :class:`StepPlan` to the
+    others, which :meth:`run` it (:mod:`zeal.inference.tensor_parallel`).
+
     Weights are the model's own tensors: :meth:`load_weights` copies new values
     into them in place, so a trainer can push weights without rebuilding
     anything (the KV cache should then be considered stale; the engine resets
     its prefix cache).
     """
 
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                 tp_size: int = 1) -> None:
         self.model = as_serving_model(model)
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -59,7 +96,10 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.num_block_copies = 0
-        shape = (num_blocks, self.model.num_kv_heads, block_size, self.model.head_dim)
+        # under tensor parallelism (``tp_size`` ranks) this rank caches its own key/value heads only
+        shape = (num_blocks, self.model.num_kv_heads // tp_size, block_size, self.model.head_dim)
+        # rank 0 under tensor parallelism: ``tp_driver.pass_of(plan)`` sends each plan to the other ranks
+        self.tp_driver = None
         # fused CPU kernels (attention over the block tables, norms, RoPE, activations, argmax)
         self.kernels = cpu_kernels() if self.device.type == "cpu" and self.kv_dtype == self.dtype else None
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
@@ -107,53 +147,67 @@ class ModelRunner:
             kc[dst] = kc[src]
             vc[dst] = vc[src]
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the chunks: token ids, positions, attention metadata, rows to sample."""
-        bs, dev = self.block_size, self.device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        dec_rows, dec_tables, dec_lens = [], [], []
-        prefills = []
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """Flatten the chunks of ``out`` into a :class:`StepPlan` (plain integers)."""
+        bs = self.block_size
+        p = StepPlan(copies=[list(c) for c in out.copies])
         for c in out.chunks:
             seq, start, n = c.seq, c.start, c.num_tokens
-            row0 = len(ids)
-            ids.extend(seq.fed_tokens(start, n) if c.num_draft else seq.tokens[start : start + n])
-            pos.extend(range(start, start + n))
+            row0 = len(p.ids)
+            p.ids.extend(seq.fed_tokens(start, n) if c.num_draft else seq.tokens[start : start + n])
+            p.pos.extend(range(start, start + n))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            p.slots.extend(table[q // bs] * bs + q % bs for q in range(start, start + n))
             if c.num_draft:  # speculative: a row per fed token, to verify each draft
-                sample_rows.extend(range(row0, row0 + n))
+                p.sample_rows.extend(range(row0, row0 + n))
             elif c.sample:
-                sample_rows.append(row0 + n - 1)
+                p.sample_rows.append(row0 + n - 1)
             if c.num_draft:  # each fed token attends as a decode would (the same kernel, the same sums)
-                dec_rows.extend(range(row0, row0 + n))
-                dec_tables.extend([table] * n)
-                dec_lens.extend(range(start + 1, start + n + 1))
+                p.dec_rows.extend(range(row0, row0 + n))
+                p.dec_tables.extend([table] * n)
+                p.dec_lens.extend(range(start + 1, start + n + 1))
             elif n == 1 and start > 0:
-                dec_rows.append(row0)
-                dec_tables.append(table)
-                dec_lens.append(start + 1)
+                p.dec_rows.append(row0)
+                p.dec_tables.append(table)
+                p.dec_lens.append(start + 1)
             else:
-                prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(table, dtype=torch.int32, device=dev)))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills, kernels=self.kernels)
-        if dec_rows and self.kernels is not None:
-            meta.decodes = decode_tables(dec_rows, dec_tables, dec_lens, bs, dev)
-        elif dec_rows:
-            meta.decodes = plan_decodes(dec_rows, dec_tables, dec_lens, bs, dev)
-        return (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta,
-                torch.tensor(sample_rows, device=dev, dtype=torch.long))
+                p.prefills.append([row0, n, start + n, table])
+        return p
 
-    @torch.inference_mode()
+    def prepare(self, out: SchedulerOutput | StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                 torch.Tensor]:
+        """The pass's tensors: token ids, positions, attention metadata, rows to sample."""
+        p = out if isinstance(out, StepPlan) else self.plan(out)
+        bs, dev = self.block_size, self.device
+        prefills = [PrefillChunk(row0, n, ctx, torch.tensor(table, dtype=torch.int32, device=dev))
+                    for row0, n, ctx, table in p.prefills]
+        meta = AttentionMetadata(slot_mapping=torch.tensor(p.slots, device=dev), prefills=prefills,
+                                 kernels=self.kernels)
+        if p.dec_rows and self.kernels is not None:
+            meta.decodes = decode_tables(p.dec_rows, p.dec_tables, p.dec_lens, bs, dev)
+        elif p.dec_rows:
+            meta.decodes = plan_decodes(p.dec_rows, p.dec_tables, p.dec_lens, bs, dev)
+        return (torch.tensor(p.ids, device=dev), torch.tensor(p.pos, device=dev), meta,
+                torch.tensor(p.sample_rows, device=dev, dtype=torch.long))
+
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one pass; returns logits ``(num_sampled_rows, vocab)`` in chunk order, in the
         model's dtype (greedy rows need only their argmax; the sampler upcasts the rest), or
-        fp32 on the fused 16-bit path, whose leading logits are recomputed unrounded."""
-        self.copy_blocks(out.copies)
-        if out.empty:
+        fp32 on the fused 16-bit path, whose leading logits are recomputed unrounded. Under
+        tensor parallelism the pass's plan is first sent to the other ranks (``tp_driver``)."""
+        plan = self.plan(out)
+        if self.tp_driver is None:
+            return self.run(plan)
+        with self.tp_driver.pass_of(plan):  # the other ranks run the same pass alongside
+            return self.run(plan)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """The pass of one :class:`StepPlan` (what :meth:`execute` and a tensor-parallel worker run)."""
+        self.copy_blocks([(s, d) for s, d in plan.copies])
+        if plan.empty:
             return torch.empty(0, self.vocab_size)
-        input_ids, positions, meta, sample_rows = self.prepare(out)
+        input_ids, positions, meta, sample_rows = self.prepare(plan)
         attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
         head = getattr(self.model, "lm_head", None)
         if self.kernels is None or self.dtype == torch.float32 or not isinstance(head, nn.Linear):
