@@ -12,7 +12,8 @@ The engine's ``global_params`` / ``global_state_dict_keys`` (see
 :func:`zeal.zero.sharded_state.sharded_state` and :mod:`zeal.checkpoint.save`) are set
 from here by ``zeal.initialize`` when ``ep > 1``. Expert buffers (rare) are written by
 the first rank of each expert's data-parallel copies, others by rank 0
-(:func:`writes_buffer`).
+(:func:`writes_buffer`). :func:`gather_experts` completes a state dict with the other
+ranks' experts (``engine.module_state_dict()``, ``save_16bit_model``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from zeal.moe.layer import Experts
@@ -115,3 +117,25 @@ def writes_buffer(engine: Any, name: str, prefixes: dict[str, int]) -> bool:
     if mesh.ep_size > 1 and split_expert_name(name, prefixes) is not None:
         return mesh.edp_rank == 0 and mesh.tp_rank == 0
     return engine.rank == 0
+
+
+def gather_experts(ep: Any, state: dict[str, torch.Tensor], module: nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` (this rank's state dict: its own experts) with every expert of every ep
+    rank, all-gathered over ``ep`` tensor by tensor (collective: every ep rank calls it
+    with the same structure; ep rank r's i-th local expert is expert r·E_local + i)."""
+    prefixes = expert_prefixes(module)
+    if not ep.active or not prefixes:
+        return state
+    gathered: dict[str, torch.Tensor] = {}
+    device = ep.ctx.device  # the collective runs where the backend wants it
+    for name, t in state.items():
+        s = split_expert_name(name, prefixes)
+        if s is None:
+            continue
+        p, g, rest = s
+        n_local = prefixes[p] // ep.size
+        every = torch.empty(ep.size * t.numel(), dtype=t.dtype, device=device)
+        ep.all_gather(every, t.contiguous().view(-1).to(device), "param")
+        for r, piece in enumerate(every.view(ep.size, *t.shape)):
+            gathered[f"{p}.{r * n_local + g % n_local}.{rest}"] = piece.to(t.device).clone()
+    return expand(state, prefixes, lambda _, new: gathered[new])
