@@ -6,7 +6,9 @@ read, so peak memory is a few times the largest single tensor, never the model.
 zeal's GPT (``zeal.models.gpt.GPT``) becomes a ``GPT2LMHeadModel`` folder (HF GPT-2
 stores the attention/MLP projections as ``Conv1D``, the transpose of ``nn.Linear``;
 the tied LM head is left to ``tie_word_embeddings``); zeal's Llama already uses
-Hugging Face's names and becomes a ``LlamaForCausalLM`` folder; a Hugging Face model
+Hugging Face's names and becomes a ``LlamaForCausalLM`` folder (with an MoE MLP in every
+layer, top-2, a ``MixtralForCausalLM`` folder: router and per-expert w1/w2/w3, every
+expert of an expert-parallel run); a Hugging Face model
 trained under zeal keeps its own names and ``config.json``. The tokenizer goes with
 the weights (:mod:`zeal.checkpoint.export_tokenizer`): ``tokenizer=PATH``, else the
 run folder's ``tokenizer.json``; the special-token ids of ``config.json`` are those
@@ -75,8 +77,12 @@ def _plan(meta: dict) -> tuple[list[tuple[str, str, str, bool]], dict]:
         if kind == "param" and key != src:
             continue  # tied alias of a parameter written under its first name
         out.append((key, kind, src, gpt and key.endswith(_CONV1D)))
+    if gpt and (cfg or {}).get("num_experts"):
+        raise CheckpointError(f"cannot export an MoE {ZEAL_GPT} as a Hugging Face folder: GPT-2 has no MoE layout")
     if gpt:
         config = _hf_gpt2_config(cfg or {})
+    elif cls == ZEAL_LLAMA and cfg is not None and cfg.get("num_experts"):  # MoE Llama: a Mixtral folder
+        out, config = _mixtral(cfg, out)
     elif cls == ZEAL_LLAMA and cfg is not None:
         from zeal.models.llama import LlamaConfig
 
@@ -88,6 +94,18 @@ def _plan(meta: dict) -> tuple[list[tuple[str, str, str, bool]], dict]:
     else:
         config = {"zeal_model_class": cls}
     return out, config
+
+
+def _mixtral(cfg: dict, plan: list) -> tuple[list, dict]:
+    """The plan renamed to Mixtral's tensors, and Mixtral's config.json."""
+    from zeal.models.hf_moe import mixtral_config_to_hf, mixtral_name_to_hf
+    from zeal.models.llama import LlamaConfig
+
+    try:
+        config = mixtral_config_to_hf(LlamaConfig(**cfg))
+        return [(mixtral_name_to_hf(name), *rest) for name, *rest in plan], config
+    except ValueError as e:
+        raise CheckpointError(f"cannot export {ZEAL_LLAMA} as a Hugging Face folder: {e}") from None
 
 
 def _producer(shards: SavedShards, meta: dict, kind: str, src: str, transpose: bool, dtype: torch.dtype):

@@ -33,6 +33,7 @@ from zeal.checkpoint import files as cf
 from zeal.checkpoint.extra_state import rng_state, split_client
 from zeal.checkpoint.files import CheckpointError, TensorSpec
 from zeal.dist.agree import first_error, gather_strings
+from zeal.moe.layout import expand, expert_prefixes, writes_buffer
 from zeal.zero.sharded_state import ShardedState, state_comm
 
 META = "meta.json"
@@ -54,7 +55,7 @@ def scalar_to_json(v: Any) -> list:
     return [v, None]
 
 
-def _rank_specs(st: ShardedState, module: torch.nn.Module) -> tuple[list[TensorSpec], dict]:
+def _rank_specs(st: ShardedState, module: torch.nn.Module, writes: Any) -> tuple[list[TensorSpec], dict]:
     """This rank's tensors (lazy: each produced when written) and the JSON index of its boxes."""
     specs: list[TensorSpec] = []
     boxes: dict[str, list[list[list[int]]]] = {}
@@ -71,8 +72,8 @@ def _rank_specs(st: ShardedState, module: torch.nn.Module) -> tuple[list[TensorS
             add(f"optim.{key}/{sh.name}/{k}", v)
         if sh.scalars:
             scalars[sh.name] = {key: scalar_to_json(v) for key, v in sorted(sh.scalars.items())}
-    if st.rank == 0:
-        for n, b in _buffers(module):
+    for n, b in _buffers(module):
+        if writes(n):  # rank 0; an MoE expert's buffer: the first rank holding that expert
             add(f"buffer/{n}", b.data)
     return specs, {"boxes": boxes, "scalars": scalars}
 
@@ -102,6 +103,7 @@ def _meta(engine: Any, st: ShardedState, tag: str, client: Any) -> dict:
     params = {n: {"shape": list(p.shape), "trainable": p.trainable, "group": p.group, "dtype": dtype_name(p.dtype)}
               for n, p in st.params.items()}
     bufs = {n: {"shape": list(b.shape), "dtype": dtype_name(b.dtype)} for n, b in _buffers(module)}
+    bufs = expand(bufs, expert_prefixes(module), lambda v, _: v)  # MoE: every expert's, not only this rank's
     keys = set(module.state_dict(keep_vars=True).keys())
     first_name: dict[int, str] = {}
     for n, q in module.named_parameters():
@@ -171,7 +173,8 @@ def _write(engine: Any, st: ShardedState, root: Path, tmp: Path, tag: str, clien
     client = None
     try:
         client = split_client(client_state or {}, client_tensors)
-        specs, index = _rank_specs(st, engine.module)
+        prefixes = expert_prefixes(engine.module)
+        specs, index = _rank_specs(st, engine.module, lambda n: writes_buffer(engine, n, prefixes))
         if rank == 0:
             specs += client_tensors
         index.update(rank=rank, world_size=st.world_size, rng=rng_state())

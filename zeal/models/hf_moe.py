@@ -58,3 +58,35 @@ def mixtral_state_from_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         else:
             raise ValueError(f"unexpected Mixtral tensor {name!r}")
     return out
+
+
+_TO_LEGACY = {v: k for k, v in _LEGACY.items()}
+_ZEAL_ONLY = ("num_experts", "moe_every", "top_k", "capacity_factor", "aux_loss_coef", "ep_size")
+
+
+def mixtral_config_to_hf(cfg: LlamaConfig) -> dict:
+    """The ``config.json`` of a Mixtral folder for a zeal Llama whose every MLP is an MoE
+    of SwiGLU experts with top-2 routing (the layout :func:`mixtral_config` reads)."""
+    if cfg.moe_every != 1 or cfg.top_k != 2 or cfg.mlp_bias:
+        raise ValueError(f"an MoE Llama exports as Mixtral only with moe_every 1, top_k 2 and no MLP bias "
+                         f"(this one: moe_every {cfg.moe_every}, top_k {cfg.top_k}, mlp_bias {cfg.mlp_bias})")
+    d = cfg.to_hf()
+    for k in _ZEAL_ONLY:
+        d.pop(k, None)
+    d.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=cfg.num_experts,
+             num_experts_per_tok=cfg.top_k, router_aux_loss_coef=cfg.aux_loss_coef)
+    return d
+
+
+def mixtral_name_to_hf(name: str) -> str:
+    """zeal's name of a router or expert tensor → Mixtral's per-expert one (others unchanged)."""
+    m = re.match(r"(model\.layers\.\d+)\.mlp\.moe\.deepspeed_moe\.(.*)$", name)
+    if m is None:
+        return name
+    layer, rest = m.groups()
+    if rest == "gate.wg.weight":
+        return f"{layer}.block_sparse_moe.gate.weight"
+    e = re.match(r"experts\.deepspeed_experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+    if e is None:
+        raise ValueError(f"no Mixtral name for {name!r}")
+    return f"{layer}.block_sparse_moe.experts.{e.group(1)}.{_TO_LEGACY[e.group(2)]}.weight"

@@ -43,6 +43,7 @@ from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
 from zeal.moe.apply import apply_moe, model_ep_size
+from zeal.moe.layout import set_global_layout
 from zeal.parallel.norm import TPGradNorm
 from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
 from zeal.pipe.apply import apply_pipeline
@@ -141,6 +142,8 @@ def initialize(
         engine.register_step_hook(token_drop)
     for hook in compression.step_hooks(zopt, mesh.dp):
         engine.register_step_hook(hook)
+    if mesh.ep_size > 1:  # checkpoints describe every expert, not only this rank's
+        set_global_layout(engine)
     return engine
 
 

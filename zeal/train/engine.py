@@ -319,7 +319,7 @@ class TrainEngine:
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state (parameters in fp32 from the masters where they exist,
-        plus buffers), on CPU, identical on every rank."""
+        plus buffers; every MoE expert of every ep rank), on CPU, identical on every rank."""
         with torch.no_grad(), self.gathered_parameters():
             state = {k: v.detach().float().cpu().clone() if v.is_floating_point() else v.detach().cpu().clone()
                      for k, v in self.module.state_dict().items()}
@@ -328,6 +328,10 @@ class TrainEngine:
             from zeal.parallel.tensor import gather_full
 
             state = gather_full(tp, state)
+        if self.mesh.ep_size > 1:  # every expert, from every ep rank
+            from zeal.moe.layout import gather_experts
+
+            state = gather_experts(self.mesh.ep, state, self.module)
         return state
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",

@@ -8,7 +8,9 @@ of the data-parallel group the owned boxes tile every parameter exactly once, wh
 the stage: a saver writes each element once. Under tensor parallelism a split
 parameter's boxes are this rank's slice of the *global* tensor (so a checkpoint saved at
 TP 2 loads at TP 1), and a replicated one is owned by tp rank 0 (held by every tp rank):
-the owned boxes then tile every parameter once over the whole world.
+the owned boxes then tile every parameter once over the whole world. An MoE expert
+(named by its global index) is held by its expert-data group only and its boxes are
+partitioned over that group, so over the world every expert is again owned once.
 
 ZeRO partitions the *flat* buffer of a unit of parameters, so a rank's shard of one
 parameter is a flat range of the flattened parameter. It is described here by the boxes
@@ -42,6 +44,7 @@ from torch import nn
 
 from zeal.dist.agree import first_error
 from zeal.dist.comm import Comm
+from zeal.moe.layer import is_expert_param
 from zeal.zero.partition import padded_size, shard_range, slot_overlap
 from zeal.zero.slices import Box, box_numel, box_shape, flat_range_boxes, flat_start, full_box, index
 
@@ -125,16 +128,15 @@ class _Parts:
     world: int
     tp: Any = None  # zeal.parallel.TensorParallel, or None
     agree: Comm | None = None  # state_comm: where errors are agreed
+    edp_rank: int = 0  # MoE: an expert is held by its expert-data group only (dp = ep x edp)
+    edp_world: int = 1
 
 
 def _parts(engine: Any) -> _Parts:
-    p = engine._p
-    if engine.mesh.ep_size > 1 and any(getattr(u, "expert", False) for u in p.units):
-        raise NotImplementedError("checkpoints of expert-parallel MoE models (ep_size > 1) are not supported yet; "
-                                  "save engine.module.state_dict() per ep rank (experts are named by global index)")
+    p, mesh = engine._p, engine.mesh
     return _Parts(engine.module, p.units, p.zero_optimizer, p.coordinator, p.scaler, dp_comm(engine),
-                  engine.mesh.dp_rank, engine.mesh.dp_size, getattr(engine, "tensor_parallel", None),
-                  state_comm(engine))
+                  mesh.dp_rank, mesh.dp_size, getattr(engine, "tensor_parallel", None),
+                  state_comm(engine), mesh.edp_rank, mesh.edp_size)
 
 
 @contextlib.contextmanager
@@ -240,7 +242,8 @@ def _targets(parts: _Parts, owned: bool) -> Iterator[_Target]:
                                   box_shape(box), sub)
     for n, q in _loose(parts):
         if owned:  # shared by the flat partition of the parameter, as units are
-            lo, hi = shard_range(padded_size(q.numel(), parts.world), parts.rank, parts.world)
+            rank, world = (parts.edp_rank, parts.edp_world) if is_expert_param(q) else (parts.rank, parts.world)
+            lo, hi = shard_range(padded_size(q.numel(), world), rank, world)
             boxes = flat_range_boxes(q.shape, min(lo, q.numel()), min(hi, q.numel()))
         else:
             boxes = [full_box(q.shape)]
