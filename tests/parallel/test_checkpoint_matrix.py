@@ -8,10 +8,19 @@ is in ``test_tensor_parallel.py``."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.dist_harness import run_ranks
-from tests.parallel.test_tensor_parallel import ACCUM, MICRO, SAVE_AT, STEPS, batches, build, config, reference, train
+from tests.parallel.test_tensor_parallel import (
+    ACCUM,
+    MICRO,
+    SAVE_AT,
+    STEPS,
+    batches,
+    build,
+    config,
+    reference,
+    train,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
