@@ -3,6 +3,8 @@ and the translation of a :class:`SchedulerOutput` into one forward pass."""
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -17,6 +19,7 @@ from zeal.inference.attention import (
 )
 from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
+from zeal.inference.row_invariance import RowInvariantLinears
 from zeal.inference.sequence import SchedulerOutput
 
 # what a model must have to be served: zeal's GPT and Llama have them all
@@ -64,6 +67,12 @@ class ModelRunner:
         self.kernels = cpu_kernels() if self.device.type == "cpu" and self.kv_dtype == self.dtype else None
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
+        # 16-bit on the fused path: a row's products the same in one-row and many-row passes
+        # (plain decoding of one request and speculative verification compute the same logits)
+        self.row_invariance = None
+        if self.kernels is not None and self.dtype in (torch.bfloat16, torch.float16):
+            self.row_invariance = RowInvariantLinears(self.model, exclude=getattr(self.model, "lm_head", None))
+            weakref.finalize(self, self.row_invariance.remove)  # the model may outlive this runner
 
     @property
     def vocab_size(self) -> int:
@@ -159,7 +168,7 @@ class ModelRunner:
         if self.kernels is None or self.dtype == torch.float32 or not isinstance(head, nn.Linear):
             return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
         # fused 16-bit path: the leading logits without their 16-bit rounding (see exact_logits)
-        with HiddenCapture(head) as cap:
+        with HiddenCapture(head) as cap, self.row_invariance or contextlib.nullcontext():
             logits = self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
         if cap.hidden is None or cap.hidden.shape[0] != logits.shape[0]:
             return logits
