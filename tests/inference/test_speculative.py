@@ -108,10 +108,9 @@ def test_serve_flag_speculative_config():
 @pytest.mark.timeout(180)
 def test_speculative_equals_plain_greedy_one_by_one_in_bf16():
     """Reference: plain greedy decoding of each request alone, SmolLM2-135M-Instruct in bf16
-    on the fused kernels. Before one-row projections were computed as two-row ones
-    (zeal.inference.row_invariance), this code edit left plain greedy at its 16th token:
-    a verify pass's rows were projected by a different GEMM path than plain decoding's
-    one-row passes."""
+    on the fused kernels. Before one-row passes ran as two-row ones (ModelRunner's
+    pad_single_rows), this code edit left plain greedy at its 16th token: a verify pass's
+    rows were projected by a different GEMM path than plain decoding's one-row passes."""
     import importlib.util
 
     import torch

@@ -3,8 +3,6 @@ and the translation of a :class:`SchedulerOutput` into one forward pass."""
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections.abc import Iterable
 
 import torch
@@ -19,7 +17,6 @@ from zeal.inference.attention import (
 )
 from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
-from zeal.inference.row_invariance import RowInvariantLinears
 from zeal.inference.sequence import SchedulerOutput
 
 # what a model must have to be served: zeal's GPT and Llama have them all
@@ -67,12 +64,13 @@ class ModelRunner:
         self.kernels = cpu_kernels() if self.device.type == "cpu" and self.kv_dtype == self.dtype else None
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
-        # 16-bit on the fused path: a row's products the same in one-row and many-row passes
-        # (plain decoding of one request and speculative verification compute the same logits)
-        self.row_invariance = None
-        if self.kernels is not None and self.dtype in (torch.bfloat16, torch.float16):
-            self.row_invariance = RowInvariantLinears(self.model, exclude=getattr(self.model, "lm_head", None))
-            weakref.finalize(self, self.row_invariance.remove)  # the model may outlive this runner
+        # On CPU, torch's 16-bit F.linear takes a matrix-vector path for one input row and a
+        # matrix-matrix path for more, which sum the products in different orders (SmolLM2's
+        # down_proj: a row's output differs in its last bits between a one-row pass and a
+        # 2-16-row one, while those agree with each other). A one-row pass is run as the row
+        # twice, so that plain decoding of one request computes the logits a speculative
+        # verify pass (the last token and its drafts together) computes for the same row.
+        self.pad_single_rows = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
 
     @property
     def vocab_size(self) -> int:
@@ -146,6 +144,12 @@ class ModelRunner:
                 dec_lens.append(start + 1)
             else:
                 prefills.append(PrefillChunk(row0, n, start + n, torch.tensor(table, dtype=torch.int32, device=dev)))
+        if self.pad_single_rows and len(ids) == 1:  # the row twice (same slot, same context); row 0 is sampled
+            ids, pos, slots = ids * 2, pos * 2, slots * 2
+            if dec_rows:
+                dec_rows, dec_tables, dec_lens = [0, 1], dec_tables * 2, dec_lens * 2
+            else:
+                prefills.append(PrefillChunk(1, 1, prefills[0].ctx_len, prefills[0].block_table))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), prefills=prefills, kernels=self.kernels)
         if dec_rows and self.kernels is not None:
             meta.decodes = decode_tables(dec_rows, dec_tables, dec_lens, bs, dev)
@@ -168,7 +172,7 @@ class ModelRunner:
         if self.kernels is None or self.dtype == torch.float32 or not isinstance(head, nn.Linear):
             return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
         # fused 16-bit path: the leading logits without their 16-bit rounding (see exact_logits)
-        with HiddenCapture(head) as cap, self.row_invariance or contextlib.nullcontext():
+        with HiddenCapture(head) as cap:
             logits = self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
         if cap.hidden is None or cap.hidden.shape[0] != logits.shape[0]:
             return logits
