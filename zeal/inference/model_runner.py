@@ -104,6 +104,13 @@ class ModelRunner:
         self.kernels = cpu_kernels() if self.device.type == "cpu" and self.kv_dtype == self.dtype else None
         self.k_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.model.num_layers)]
+        # On CPU, torch's 16-bit F.linear takes a matrix-vector path for one input row and a
+        # matrix-matrix path for more, which sum the products in different orders (SmolLM2's
+        # down_proj: a row's output differs in its last bits between a one-row pass and a
+        # 2-16-row one, while those agree with each other). A one-row pass is run as the row
+        # twice, so that plain decoding of one request computes the logits a speculative
+        # verify pass (the last token and its drafts together) computes for the same row.
+        self.pad_single_rows = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
 
     @property
     def vocab_size(self) -> int:
@@ -172,6 +179,12 @@ class ModelRunner:
                 p.dec_lens.append(start + 1)
             else:
                 p.prefills.append([row0, n, start + n, table])
+        if self.pad_single_rows and len(p.ids) == 1:  # the row twice (same slot, same context); row 0 is sampled
+            p.ids, p.pos, p.slots = p.ids * 2, p.pos * 2, p.slots * 2
+            if p.dec_rows:
+                p.dec_rows, p.dec_tables, p.dec_lens = [0, 1], p.dec_tables * 2, p.dec_lens * 2
+            else:
+                p.prefills.append([1, 1, p.prefills[0][2], p.prefills[0][3]])
         return p
 
     def prepare(self, out: SchedulerOutput | StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,

@@ -70,3 +70,13 @@ def fused_ops(attention: Attention) -> object | None:
     off (the kernels write in place and have no backward), else None (torch ops)."""
     ops = attention.ops
     return None if ops is None or torch.is_grad_enabled() else ops
+
+
+def residual_stream(x: torch.Tensor, ops: object | None) -> torch.Tensor:
+    """The residual stream a serving pass carries: in fp32 under fused ``ops`` for a 16-bit
+    model (the norm kernels add each branch into it and normalise it without rounding it
+    to 16 bits, which the torch path does after every residual add; the massive activations
+    of some rows then keep their low bits), else ``x`` itself."""
+    if ops is None or x.dtype not in (torch.bfloat16, torch.float16):
+        return x
+    return x.float()

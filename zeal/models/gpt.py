@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeal.models.attention import DENSE, Attention, fused_ops
+from zeal.models.attention import DENSE, Attention, fused_ops, residual_stream
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 from zeal.models.moe_mlp import MoEMLP, check_moe_config, is_moe_block, moe_aux_loss
 
@@ -71,7 +71,7 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, ops: object | None = None) -> torch.Tensor:
         if ops is None:
             return super().forward(x if add is None else x.add_(add))
-        out = torch.empty_like(x)
+        out = torch.empty_like(x, dtype=self.weight.dtype)  # x may be an fp32 residual stream
         ops.layer_norm(x, add, self.weight, self.bias, self.eps, out)
         return out
 
@@ -215,7 +215,7 @@ class GPT(nn.Module, Checkpointable):
                 raise ValueError(f"sequence length {t} exceeds model.n_positions {self.config.n_positions}")
             positions = torch.arange(t, device=input_ids.device)
         tr = self.transformer
-        x = tr.drop(tr.wte(input_ids) + tr.wpe(positions))
+        x = tr.drop(residual_stream(tr.wte(input_ids), fused_ops(attention)) + tr.wpe(positions))
         x = run_blocks(tr.h, x, self.checkpoint_policy, attention)
         if logits_index is not None:
             x = x[logits_index]

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeal.models.attention import DENSE, Attention, dense_causal_attention, fused_ops
+from zeal.models.attention import DENSE, Attention, dense_causal_attention, fused_ops, residual_stream
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 from zeal.models.moe_mlp import MoEMLP, check_moe_config, is_moe_block, moe_aux_loss
 
@@ -160,8 +160,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, ops: object | None = None) -> torch.Tensor:
-        if ops is not None:
-            out = torch.empty_like(x)
+        if ops is not None:  # x may be an fp32 residual stream (see residual_stream); out: the weights' dtype
+            out = torch.empty_like(x, dtype=self.weight.dtype)
             ops.rms_norm(x, add, self.weight, self.eps, out)
             return out
         if add is not None:
@@ -345,6 +345,7 @@ class Llama(nn.Module, Checkpointable):
         ops = fused_ops(attention)
         x = self.model.embed_tokens(input_ids)
         rope = self.rope(positions, x.dtype, fused=ops is not None)
+        x = residual_stream(x, ops)
         x = run_blocks(self.model.layers, x, self.checkpoint_policy, rope, attention)
         if logits_index is not None:
             x = x[logits_index]

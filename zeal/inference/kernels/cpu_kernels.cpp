@@ -688,9 +688,10 @@ inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / st
 
 // Normalise rows of x over the last dimension: LayerNorm (centred, then * weight + bias)
 // or RMSNorm (not centred, * weight). With delta, x += delta first, in place and rounded to
-// the dtype as a separate residual add would be.
-template <typename T>
-void norm_impl(T* x, const T* delta, const T* w, const T* b, bool center, int64_t rows, int64_t H, float eps,
+// x's dtype as a separate residual add would be. x (the residual stream) is either in the
+// dtype T of the rest or in fp32 (TX = float: a 16-bit model's stream kept unrounded).
+template <typename TX, typename T>
+void norm_impl(TX* x, const T* delta, const T* w, const T* b, bool center, int64_t rows, int64_t H, float eps,
                T* out) {
   const int64_t HP = round_up(H);
   at::parallel_for(0, rows, row_grain(H), [&](int64_t begin, int64_t end) {
@@ -698,7 +699,7 @@ void norm_impl(T* x, const T* delta, const T* w, const T* b, bool center, int64_
     to_float(w, wf.data(), H, HP);
     if (b != nullptr) to_float(b, bf.data(), H, HP);
     for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * H;
+      TX* xr = x + r * H;
       to_float(xr, a.data(), H, HP);
       if (delta != nullptr) {
         to_float(delta + r * H, d.data(), H, HP);
@@ -729,19 +730,29 @@ void norm_impl(T* x, const T* delta, const T* w, const T* b, bool center, int64_
 void norm(const char* name, at::Tensor& x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
           const at::Tensor* bias, double eps, at::Tensor& out) {
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(1, H);
+  const at::ScalarType dt = weight.scalar_type();  // of out, delta and bias; x's too, or fp32
   const auto like_weight = [&](const at::Tensor& t) {
-    return t.is_contiguous() && t.numel() == H && t.scalar_type() == x.scalar_type();
+    return t.is_contiguous() && t.numel() == H && t.scalar_type() == dt;
   };
-  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() &&
-                  out.scalar_type() == x.scalar_type() && like_weight(weight) && (bias == nullptr || like_weight(*bias)),
-              "zeal cpu kernel: ", name, ": contiguous x, out, weight (and bias) of one dtype");
+  const bool wide = x.scalar_type() == at::kFloat && dt != at::kFloat;
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.sizes() == x.sizes() && out.scalar_type() == dt &&
+                  (x.scalar_type() == dt || wide) && like_weight(weight) && (bias == nullptr || like_weight(*bias)),
+              "zeal cpu kernel: ", name, ": contiguous x, out, weight (and bias) of one dtype (x may be float32)");
   TORCH_CHECK(!delta.has_value() || (delta->is_contiguous() && delta->sizes() == x.sizes() &&
-                                     delta->scalar_type() == x.scalar_type()),
-              "zeal cpu kernel: ", name, ": delta like x");
-  ZEAL_DISPATCH(x.scalar_type(), "norm",
-                norm_impl<scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
-                                  weight.data_ptr<scalar>(), bias != nullptr ? bias->data_ptr<scalar>() : nullptr,
-                                  bias != nullptr, rows, H, static_cast<float>(eps), out.data_ptr<scalar>()));
+                                     delta->scalar_type() == dt),
+              "zeal cpu kernel: ", name, ": delta of x's shape, in the weight's dtype");
+  const float e = static_cast<float>(eps);
+  if (wide) {
+    ZEAL_DISPATCH(dt, "norm",
+                  norm_impl<float, scalar>(x.data_ptr<float>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
+                                           weight.data_ptr<scalar>(), bias != nullptr ? bias->data_ptr<scalar>() : nullptr,
+                                           bias != nullptr, rows, H, e, out.data_ptr<scalar>()));
+    return;
+  }
+  ZEAL_DISPATCH(dt, "norm",
+                norm_impl<scalar, scalar>(x.data_ptr<scalar>(), delta.has_value() ? delta->data_ptr<scalar>() : nullptr,
+                                          weight.data_ptr<scalar>(), bias != nullptr ? bias->data_ptr<scalar>() : nullptr,
+                                          bias != nullptr, rows, H, e, out.data_ptr<scalar>()));
 }
 
 // out = x / rms(x) * weight; with delta, first x += delta (in place)
