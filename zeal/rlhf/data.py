@@ -5,6 +5,7 @@ chat template), and token-id lists are taken as they are (models without a token
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,6 @@ def _is_messages(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def _text_pair(row: dict, tok: Tokenizer, eos_ids: list[int], rc: RLHFConfig) -> tuple[list[int], list[list[int]]]:
     """A text preference row tokenised as TRL's ``DPOTrainer`` does: prompt + answer as one
     sequence (the chat template renders the whole conversation, so an answer ends with
@@ -77,7 +69,7 @@ def _text_pair(row: dict, tok: Tokenizer, eos_ids: list[int], rc: RLHFConfig) ->
         p = tok.encode(prompt)
         full = [tok.encode(prompt + a) for a in answers]
         full = [f if f[-1:] == eos_ids[:1] else f + eos_ids[:1] for f in full]
-    n = min(_common_prefix(p, f) for f in full)
+    n = len(os.path.commonprefix([p, *full]))
     return full[0][:n], [f[n:] for f in full]
 
 
