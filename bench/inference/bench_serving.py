@@ -6,15 +6,21 @@ stream. Figures: throughput, p50/p99 time to first token (TTFT), p50/p99 time pe
 output token (TPOT), and effective throughput (FastGen's SLA: TTFT <= prompt/512 s
 and the EMA, span 16, of per-token latencies always < 1/R s, R in {2, 4} tokens/s).
 Peers, measured in the same run on the all-at-once workload: HF ``generate`` one
-request at a time, and static batches of 8 with left padding.
+request at a time, static batches of 8 with left padding, and (``--vllm PYTHON``) vLLM's
+CPU build run from its own virtual environment by ``_vllm_side.py`` on the same token ids
+and model folder (its TTFT and per-request decode span are vLLM's own request metrics;
+its effective-throughput columns are not computed, since per-token times are not kept).
 
     python bench/inference/bench_serving.py                 # full: 64 requests, 32-512 prompt, 128 new
     python bench/inference/bench_serving.py --quick         # a small smoke run
+    python bench/inference/bench_serving.py --requests 32 --prompt-min 42 --prompt-max 248 --new-tokens 64 \
+        --threads 2 --dtype bf16 --vllm /work/peers/vllm/bin/python   # beside vLLM, equal cores
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -32,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from zeal.inference import SamplingParams  # noqa: E402
 from zeal.inference.engine import EngineConfig, LLMEngine  # noqa: E402
 from zeal.inference.llm import load_model_and_tokenizer  # noqa: E402
+from zeal.inference.packed_linear import packed_linears_for  # noqa: E402
 from zeal.utils.process import apply_process_settings  # noqa: E402
 
 apply_process_settings()  # as `zeal serve` does (huge pages), before any tensor
@@ -44,6 +51,7 @@ class Trace:
     prompt_len: int
     arrival: float
     token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def ttft(self) -> float:
@@ -114,6 +122,7 @@ def run_zeal(model, prompts, new_tokens, arrivals, budget, kv_mb, block_size=Non
         now = time.perf_counter()
         for o in outs:
             traces[int(o.request_id)].token_times += [now] * len(o.outputs[0].delta_token_ids)
+            traces[int(o.request_id)].token_ids += list(o.outputs[0].delta_token_ids)
             done += o.finished
     return traces
 
@@ -141,13 +150,21 @@ def matmul_floor(model, prompts, new_tokens: int, budget: int, max_seqs: int = 6
     body = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
     head_w = head.weight if head is not None else model.transformer.wte.weight
 
+    packed = packed_linears_for(model, torch.device("cpu"), head_w.dtype) is not None
+
     def timed(rows: int, weights) -> float:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights}
+        if packed:  # the product zeal's fp32 engine runs (oneDNN on weights reordered once)
+            ws = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+            mm = [functools.partial(torch.ops.mkldnn._linear_pointwise, xs[w.shape[1]], pw, None, "none", [], "")
+                  for w, pw in zip(weights, ws)]
+        else:
+            mm = [functools.partial(torch.nn.functional.linear, xs[w.shape[1]], w) for w in weights]
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            for f in mm:
+                f()
             best = min(best, time.perf_counter() - t)
         return best
 
@@ -180,6 +197,42 @@ def run_hf(hf, prompts, new_tokens, batch: int) -> list[Trace]:
     return traces
 
 
+def run_vllm(python: str, folder: Path, prompts, new_tokens: int, dtype: str, threads: int,
+             reserved_cpus: int) -> tuple[dict, list[list[int]]]:
+    """vLLM's CPU build on the same prompts, in its own interpreter (``_vllm_side.py``):
+    the summary row (throughput over ``LLM.generate``'s wall time) and its greedy tokens."""
+    import os
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"model": str(folder), "prompts": prompts, "new_tokens": new_tokens,
+                                   "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype]}))
+        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU=str(reserved_cpus),
+                   VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else "auto")
+        side = Path(__file__).with_name("_vllm_side.py")
+        proc = subprocess.run([python, str(side), str(job), str(out)], env=env, timeout=1800,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM side failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
+        res = json.loads(out.read_text())
+    traces = []
+    for r in res["requests"]:
+        n = r["tokens"]
+        step = r["decode_s"] / max(1, n - 1)
+        traces.append(Trace(r["prompt_len"], 0.0, [r["ttft_s"] + i * step for i in range(n)], r["token_ids"]))
+    row = summarize(f"vLLM {reserved_cpus} core(s) reserved", traces)
+    toks = sum(r["tokens"] for r in res["requests"])
+    row.update(wall_s=res["wall_s"], tok_per_s=toks / res["wall_s"], req_per_s=len(traces) / res["wall_s"],
+               eff_req_per_s_R2=float("nan"), eff_req_per_s_R4=float("nan"))
+    return row, [t.token_ids for t in traces]
+
+
+def first_divergence(a: list[int], b: list[int]) -> int:
+    """Index of the first differing token (the common length when one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def gpt2_small_folder(tmp: Path) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -210,6 +263,10 @@ def main() -> int:
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                     help="weights and compute of both systems (zeal's KV cache follows)")
     ap.add_argument("--json", default=None, help="write the figures to this file")
+    ap.add_argument("--vllm", default=None, metavar="PYTHON",
+                    help="the python of a virtual environment with vllm-cpu: run vLLM beside zeal")
+    ap.add_argument("--vllm-reserved-cpus", type=int, default=0,
+                    help="VLLM_CPU_NUM_OF_RESERVED_CPU (0: vLLM's model runs on every core, as zeal's)")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.prompt_min, args.prompt_max, args.new_tokens = 8, 32, 128, 16
@@ -232,10 +289,21 @@ def main() -> int:
                   f"{torch.get_num_threads()} threads, {args.dtype}", flush=True)
             rows = []
             run_zeal(model, prompts[:2], 2, [0.0, 0.0], args.budget, args.kv_mb, args.block_size)  # warm-up
-            z = summarize("zeal all-at-once", run_zeal(model, prompts, args.new_tokens, [0.0] * len(prompts),
-                                                       args.budget, args.kv_mb, args.block_size))
+            traces = run_zeal(model, prompts, args.new_tokens, [0.0] * len(prompts), args.budget, args.kv_mb,
+                              args.block_size)
+            z = summarize("zeal all-at-once", traces)
             rows.append(z)
             print(json.dumps(z), flush=True)
+            v = None
+            if args.vllm:
+                folder = resolve_model_path(path)
+                v, v_ids = run_vllm(args.vllm, folder, prompts, args.new_tokens, args.dtype, args.threads,
+                                    args.vllm_reserved_cpus)
+                div = [first_divergence(t.token_ids, ids) for t, ids in zip(traces, v_ids)]
+                v["greedy_same_requests"] = sum(d == args.new_tokens for d in div)
+                v["first_divergence_median"] = statistics.median(div)
+                rows.append(v)
+                print(json.dumps(v), flush=True)
             rate = args.poisson_load * z["req_per_s"]
             rng = random.Random(1)
             t, arrivals = 0.0, []
@@ -266,6 +334,11 @@ def main() -> int:
             toks = len(prompts) * args.new_tokens
             print(f"  matmul floor: {floor:.1f} s for the workload's matrix products alone "
                   f"(<= {toks / floor:.1f} tok/s for any engine; zeal reaches {z['wall_s'] / floor:.2f}x of it)")
+            if v is not None:
+                print(f"  zeal/vLLM throughput {z['tok_per_s'] / v['tok_per_s']:.2f}x, TTFT p99 zeal "
+                      f"{z['ttft_p99_s']:.2f}s vs vLLM {v['ttft_p99_s']:.2f}s, TPOT p50 zeal {z['tpot_p50_ms']:.0f}ms "
+                      f"vs vLLM {v['tpot_p50_ms']:.0f}ms; greedy tokens equal on {v['greedy_same_requests']}/"
+                      f"{len(prompts)} requests (median first divergence {v['first_divergence_median']})")
             if not args.no_hf:
                 print(f"  zeal/static-8 throughput {z['tok_per_s'] / hs['tok_per_s']:.2f}x "
                       f"(at most {toks / floor / hs['tok_per_s']:.2f}x for an engine that only multiplies), "

@@ -177,6 +177,8 @@ class LLMEngine:
         if level == 2:
             self._weights_released = release(params)
             self._weights_discarded = True
+            if self.runner.packed is not None:
+                self.runner.packed.drop()
         elif self.runner.device.type != "cpu":
             self._weights_released = release(params, keep_on_host=True)
         self._sleep_level = level

@@ -3,6 +3,7 @@ and the translation of a :class:`SchedulerOutput` into one forward pass."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ from zeal.inference.attention import (
 )
 from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
+from zeal.inference.packed_linear import packed_linears_for
 from zeal.inference.sequence import SchedulerOutput
 
 # what a model must have to be served: zeal's GPT and Llama have them all
@@ -111,6 +113,8 @@ class ModelRunner:
         # twice, so that plain decoding of one request computes the logits a speculative
         # verify pass (the last token and its drafts together) computes for the same row.
         self.pad_single_rows = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        # fp32 on CPU: the linears compute on weights reordered once for oneDNN (packed_linear)
+        self.packed = packed_linears_for(self.model, self.device, self.dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -222,6 +226,11 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size)
         input_ids, positions, meta, sample_rows = self.prepare(plan)
         attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
+        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+            return self._forward(input_ids, positions, attention, sample_rows)
+
+    def _forward(self, input_ids, positions, attention, sample_rows) -> torch.Tensor:
+        """The model over one pass's flat batch (16-bit fused path: the top logits refined)."""
         head = getattr(self.model, "lm_head", None)
         if self.kernels is None or self.dtype == torch.float32 or not isinstance(head, nn.Linear):
             return self.model(input_ids, positions=positions, attention=attention, logits_index=sample_rows)
