@@ -113,7 +113,7 @@ class ModelRunner:
         # twice, so that plain decoding of one request computes the logits a speculative
         # verify pass (the last token and its drafts together) computes for the same row.
         self.pad_single_rows = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        # fp32 on CPU: the linears compute on weights reordered once for oneDNN (packed_linear)
+        # fp32/bf16 on CPU: the linears compute on weights reordered once for oneDNN (packed_linear)
         self.packed = packed_linears_for(self.model, self.device, self.dtype)
 
     @property
