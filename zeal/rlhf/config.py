@@ -64,6 +64,10 @@ class RLHFConfig(BaseModel):
     save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     resume: bool = Field(True, description="Continue from <out>/checkpoints when one exists.")
     kv_cache_bytes: int = Field(256 << 20, ge=1 << 16, description="Hybrid engine: KV cache size while generating.")
+    generation_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Hybrid engine: dtype of the serving copy that generates rollouts. 'auto': bf16 for an "
+        "fp32 actor where the device multiplies bf16 natively (zeal.utils.hardware.native_bf16), else the actor's "
+        "dtype. With a bf16 copy of an fp32 actor, ratios and KL use the training side's fp32 log-probs.")
 
 
 def split_config(config: Any, defaults: dict | None = None) -> tuple[dict, RLHFConfig]:
