@@ -92,11 +92,12 @@ def test_answer_logprobs_equal_full_projection(arch):
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("epochs", [1, 2])
-def test_grpo_update_with_training_side_behaviour_logprobs(epochs):
+@pytest.mark.parametrize("epochs,share", [(1, True), (2, True), (1, False)])
+def test_grpo_update_with_training_side_behaviour_logprobs(epochs, share):
     """GRPO on the same rollouts: behaviour log-probs from the training side (a bf16 engine's
     are not exact) give the weights that exact engine log-probs (the training module's own,
-    here) give; with 2 epochs they come from a no-grad pass before the first update."""
+    here) give; with 2 epochs they come from a no-grad pass before the first update. With
+    ``share_prompt`` the prompt-once forwards give the full rows' log-probs (gap ~0)."""
     import zeal
     from zeal.rlhf.batch import pack, policy_logprobs
     from zeal.rlhf.config import RLHFConfig
@@ -112,7 +113,7 @@ def test_grpo_update_with_training_side_behaviour_logprobs(epochs):
     b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], 0)
     with torch.no_grad():
         lp = policy_logprobs(model, b.ids)
-    rc = RLHFConfig(num_generations=2, ppo_epochs=epochs, beta=0.04)
+    rc = RLHFConfig(num_generations=2, ppo_epochs=epochs, beta=0.04, share_prompt=share)
     cfg = {**CFG, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}}
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
     runs = []

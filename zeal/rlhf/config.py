@@ -44,6 +44,9 @@ class RLHFConfig(BaseModel):
                                                     "answers ('sequence'), or over all answer tokens ('token').")
     scale_rewards: bool = Field(True, description="GRPO: divide group advantages by the group's std.")
     ppo_epochs: int = Field(1, ge=1, description="PPO/GRPO: passes over each rollout batch.")
+    share_prompt: bool = Field(True, description="GRPO: each prompt goes through the policy and the reference "
+                               "once per group, its answers attending to its keys/values (zeal.rlhf.shared_prefix: "
+                               "the same log-probs); off, or under ZeRO-3 or activation checkpointing: full rows.")
     # PPO (DeepSpeed-Chat's constants)
     kl_coef: float = Field(0.1, ge=0.0, description="PPO: β of the per-token KL penalty in the rewards.")
     clip_reward: float = Field(5.0, gt=0.0, description="PPO: the reward score is clipped to ±this.")

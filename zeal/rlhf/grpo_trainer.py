@@ -29,6 +29,7 @@ from zeal.rlhf.common import (
 )
 from zeal.rlhf.config import split_config
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
+from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -94,17 +95,27 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
 def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int, rc,
               exact: bool = True) -> dict:
     """``ppo_epochs`` passes of the GRPO loss over one rollout batch (in the engine's
-    micro-batches); returns the step's loss, KL, answer length and log-prob gap. Only the
-    answer positions are projected by the LM head (from the earliest answer's first
-    action). Behaviour log-probs: the serving engine's when ``exact`` (it generated in the
-    actor's dtype), else the training side's before any update (the current pass's own,
-    detached, when the batch makes a single optimizer step)."""
+    micro-batches); returns the step's loss, KL, answer length and log-prob gap. Each
+    prompt goes through the trunk once per group (``rc.share_prompt``,
+    :mod:`zeal.rlhf.shared_prefix`) where the model allows, and only the answer positions
+    are projected by the LM head. Behaviour log-probs: the serving engine's when ``exact``
+    (it generated in the actor's dtype), else the training side's before any update (the
+    current pass's own, detached, when the batch makes a single optimizer step)."""
     adv = fm.group_advantages(rewards, rc.num_generations, rc.scale_rewards)
-    b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
-             [r.logprobs for r in rollouts])
-    s0 = min(len(r.prompt_ids) for r in rollouts) - 1  # the first answer action of any row
-    mask, served = b.mask[:, s0:], b.logprobs[:, s0:]
-    n = b.ids.shape[0]
+    if rc.share_prompt and can_share(engine) and (ref is None or can_share(ref)):
+        answers, mask, served = answer_batch(rollouts, pad_id)
+
+        def logprobs(model, s=slice(None)):
+            return rollout_logprobs(model, rollouts[s], answers[s], pad_id)
+    else:
+        b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
+                 [r.logprobs for r in rollouts])
+        s0 = min(len(r.prompt_ids) for r in rollouts) - 1  # the first answer action of any row
+        mask, served = b.mask[:, s0:], b.logprobs[:, s0:]
+
+        def logprobs(model, s=slice(None)):
+            return answer_logprobs(model, b.ids[s], s0)
+    n = len(rollouts)
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     chunks = [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
@@ -113,16 +124,16 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
                          f"gradient_accumulation_steps {gas}")
     one_update = rc.ppo_epochs == 1 and len(chunks) == gas
     with torch.no_grad():
-        ref_lp = answer_logprobs(ref, b.ids, s0) if ref is not None else None
+        ref_lp = logprobs(ref) if ref is not None else None
         old = served
         if not exact and not one_update:
             engine.train()
-            old = torch.cat([answer_logprobs(engine, b.ids[s], s0) for s in chunks])
+            old = torch.cat([logprobs(engine, s) for s in chunks])
     engine.train()
     losses, kls, gap = [], [], 0.0
     for epoch in range(rc.ppo_epochs):
         for s in chunks:
-            lp = answer_logprobs(engine, b.ids[s], s0)
+            lp = logprobs(engine, s)
             m = mask[s]
             if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
                 gap = max(gap, float(((lp.detach() - served[s]).abs() * m).max()))
@@ -135,4 +146,4 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
             if r_lp is not None:
                 kls.append(fm.masked_mean(fm.k3_kl(lp.detach(), r_lp), m).item())
     return {"loss": sum(losses) / len(losses), "kl": sum(kls) / len(kls) if kls else 0.0,
-            "response_length": b.response_lengths.mean().item(), "logprob_diff": gap}
+            "response_length": mask.sum(-1).mean().item(), "logprob_diff": gap}
