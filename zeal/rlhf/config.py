@@ -70,7 +70,7 @@ class RLHFConfig(BaseModel):
     generation_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Hybrid engine: dtype of the serving copy that generates rollouts. 'auto': bf16 for an "
         "fp32 actor where the device multiplies bf16 natively (zeal.utils.hardware.native_bf16), else the actor's "
-        "dtype. With a bf16 copy of an fp32 actor, ratios and KL use the training side's fp32 log-probs.")
+        "dtype. With a bf16 copy of an fp32 actor, PPO/GRPO ratios and KL use the training side's fp32 log-probs.")
 
 
 def split_config(config: Any, defaults: dict | None = None) -> tuple[dict, RLHFConfig]:
