@@ -129,3 +129,39 @@ def test_grpo_update_with_training_side_behaviour_logprobs(epochs, share):
     assert s_exact["logprob_diff"] < 1e-5 and abs(s_train["logprob_diff"] - 0.05) < 1e-4
     for k in w_exact:
         torch.testing.assert_close(w_train[k], w_exact[k], rtol=0, atol=1e-6)
+
+
+def test_ppo_update_with_training_side_behaviour_logprobs():
+    """PPO on the same rollout batch: behaviour log-probs taken from the training side's
+    first forward (not exact engine) give the update exact engine log-probs give."""
+    import zeal
+    from zeal.rlhf.batch import pack, policy_logprobs
+    from zeal.rlhf.config import RLHFConfig
+    from zeal.rlhf.ppo_trainer import ppo_update
+    from zeal.rlhf.value import ValueModel
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8], [9, 10]]
+    answers = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    model = tiny_llama()
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    b0 = pack(prompts, answers, 0)
+    with torch.no_grad():
+        lp = policy_logprobs(model, b0.ids)
+    rc = RLHFConfig(ppo_epochs=2, kl_coef=0.1)
+    cfg = {**CFG, "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0}}
+    scores = torch.tensor([1.0, -0.5, 0.2, 0.0])
+    runs = []
+    for exact in (True, False):
+        served = [row[m.bool()].tolist() if exact else [0.0] * int(m.sum()) for row, m in zip(lp, b0.mask)]
+        b = pack(prompts, answers, 0, served)
+        actor = zeal.initialize(copy.deepcopy(model), cfg)
+        critic = zeal.initialize(ValueModel.from_lm(model), cfg)
+        stats = ppo_update(actor, critic, ref, b, scores, rc, None, 0, None, exact=exact)
+        runs.append((stats, actor.module_state_dict()))
+        actor.close()
+        critic.close()
+    (s1, w1), (s2, w2) = runs
+    assert abs(s1["loss"] - s2["loss"]) < 1e-6 and abs(s1["kl"] - s2["kl"]) < 1e-6
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-6)
