@@ -2,9 +2,10 @@
 
     /work/peers/trl/bin/python bench/rlhf/_trl_side.py SPEC.json OUT.json
 
-``SPEC.json`` (written by ``bench_trl.py``): ``{"job": "dpo" | "grpo", "model": folder, ...}``.
+``SPEC.json`` (written by ``bench_trl.py``): ``{"job": "dpo" | "rm" | "grpo" | "ppo", "model": folder, ...}``.
 DPO: the rows in the order zeal visits them (a sequential sampler, no shuffling), one
-record per optimizer step (the exact loss tensor, not the rounded logged value). GRPO:
+record per optimizer step (the exact loss tensor, not the rounded logged value). RM: the
+same, then the held-out accuracy. GRPO:
 the prompts in zeal's order, time per step split into generation (``model.generate``
 with the training weights) and the rest, the mean reward of every step.
 """
@@ -70,6 +71,46 @@ def run_dpo(spec: dict) -> dict:
         trainer.train()
         wall = time.perf_counter() - t0
     return {"steps": steps, "train_s": wall}
+
+
+def run_rm(spec: dict) -> dict:
+    """``RewardTrainer`` (SmolLM with a 1-output ``score`` head, last-token pairwise loss) on
+    the training pairs in zeal's order; the loss of every step, then the accuracy on the
+    held-out pairs (``trainer.evaluate``)."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForSequenceClassification.from_pretrained(spec["model"], num_labels=1, dtype=torch.float32)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model.config.pad_token_id = tok.pad_token_id
+
+    def rows(rs):
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                   "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                                   "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rs])
+
+    steps: list[float] = []
+
+    class Recording(_sequential(RewardTrainer)):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if self.model.training:
+                steps.append(float((out[0] if return_outputs else out).detach()))
+            return out
+
+    with tempfile.TemporaryDirectory() as d:
+        args = RewardConfig(**_common_args(spec, d), per_device_train_batch_size=spec["batch_size"],
+                            per_device_eval_batch_size=len(spec["held"]), max_length=1024)
+        trainer = Recording(model=model, args=args, train_dataset=rows(spec["rows"]), eval_dataset=rows(spec["held"]),
+                            processing_class=tok)
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+        ev = trainer.evaluate()
+    return {"loss": steps, "accuracy": ev.get("eval_accuracy"), "train_s": wall}
 
 
 def run_grpo(spec: dict) -> dict:
@@ -209,7 +250,7 @@ def run_ppo(spec: dict) -> dict:
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
-    result = {"dpo": run_dpo, "grpo": run_grpo, "ppo": run_ppo}[spec["job"]](spec)
+    result = {"dpo": run_dpo, "rm": run_rm, "grpo": run_grpo, "ppo": run_ppo}[spec["job"]](spec)
     import trl
 
     result["trl_version"] = trl.__version__

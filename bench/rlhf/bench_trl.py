@@ -5,6 +5,8 @@ JSON; zeal runs here. Prints, per job, zeal's figure beside TRL's and the ratio:
 
 - DPO (the correctness anchor): the loss of every step, zeal's against TRL's
   ``DPOTrainer`` (sigmoid loss), with the max difference (asserted ≤ ``--dpo-tol``);
+- RM: the loss of every step and the held-out accuracy, zeal's reward model against
+  TRL's ``RewardTrainer`` (their losses differ by definition: token-wise vs last token);
 - GRPO: samples (completions) per second and the split of a step into generation,
   training and weight sync, zeal (hybrid engine) against TRL's ``GRPOTrainer``
   (generating with the training model), and the mean reward over the same steps;
@@ -80,6 +82,37 @@ def bench_dpo(args, model_path: str) -> dict:
             "zeal_s": zeal_s, "trl_s": trl["train_s"], "trl_version": trl["trl_version"]}
 
 
+def bench_rm(args, model_path: str) -> dict:
+    """zeal's reward model (DeepSpeed-Chat's token-wise ranking loss over the answers'
+    divergent span, zero-initialised head) beside TRL's ``RewardTrainer`` (last-token
+    loss, N(0, 0.02) head): the same pairs in the same order, held-out pairs, steps, seed."""
+    from zeal.rlhf import reward_model
+    from zeal.rlhf.offline_trainers import _batches
+    from zeal.rlhf.tasks import arithmetic_rows
+
+    n = args.rm_pairs
+    rows = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in arithmetic_rows(n, seed=args.seed + 2)]
+    cfg = {**engine_cfg(args), "rlhf": {"steps": args.rm_steps, "batch_size": args.rm_batch, "seed": args.seed,
+                                        "eval_fraction": args.rm_eval, "max_seq_len": 1024,
+                                        "log_every": args.rm_steps}}
+    t0 = time.perf_counter()
+    res = reward_model(model_path, rows, cfg)
+    zeal_s = time.perf_counter() - t0
+    gen = torch.Generator().manual_seed(args.seed)  # zeal's split and batch order (reward_model's own draws)
+    order = torch.randperm(n, generator=gen).tolist()
+    n_eval = int(n * args.rm_eval)
+    held, train = [rows[i] for i in order[:n_eval]], [rows[i] for i in order[n_eval:]]
+    it = _batches(len(train), args.rm_batch, gen)
+    seq = [train[i] for _ in range(args.rm_steps) for i in next(it)]
+    spec = {"job": "rm", "model": model_path, "rows": seq, "held": held, "steps": args.rm_steps,
+            "batch_size": args.rm_batch, "lr": args.lr, "optimizer": args.optimizer, "grad_clip": args.grad_clip,
+            "seed": args.seed}
+    trl = trl_side(args.trl_python, spec, args.timeout)
+    return {"zeal": [r["loss"] for r in res.metrics], "trl": trl["loss"],
+            "zeal_acc": res.metrics[-1].get("accuracy"), "trl_acc": trl["accuracy"], "zeal_s": zeal_s,
+            "trl_s": trl["train_s"], "held": n_eval}
+
+
 def bench_grpo(args, model_path: str) -> dict:
     from zeal.rlhf import grpo
     from zeal.rlhf.tasks import arithmetic_reward, arithmetic_rows
@@ -143,7 +176,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args) -> int:
+def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args, rm: dict | None = None) -> int:
     """Print the side-by-side; returns 1 when DPO's losses differ beyond the tolerance."""
     rc = 0
     if dpo is not None:
@@ -159,6 +192,14 @@ def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args) -> int:
         print(f"max |diff| {worst:.2e} (tolerance {args.dpo_tol:g}): {'OK' if ok else 'FAIL'}; wall zeal "
               f"{dpo['zeal_s']:.1f} s, TRL {dpo['trl_s']:.1f} s (TRL/zeal {dpo['trl_s'] / dpo['zeal_s']:.2f}x)")
         rc |= 0 if ok else 1
+    if rm is not None:
+        print(f"\nReward model (SmolLM2-135M fp32, {args.rm_steps} steps x {args.rm_batch} pairs, {rm['held']} held-out "
+              f"pairs; zeal: DeepSpeed-Chat token-wise loss, zero head; TRL RewardTrainer: last-token loss)")
+        print(f"{'step':>4} {'zeal loss':>10} {'TRL loss':>10}")
+        for i, (z, t) in enumerate(zip(rm["zeal"], rm["trl"]), 1):
+            print(f"{i:>4} {z:>10.4f} {t:>10.4f}")
+        print(f"held-out accuracy zeal {rm['zeal_acc']:.3f}, TRL {rm['trl_acc']:.3f}; wall zeal {rm['zeal_s']:.1f} s "
+              f"(with loading), TRL {rm['trl_s']:.1f} s (training only) (TRL/zeal {rm['trl_s'] / rm['zeal_s']:.2f}x)")
     if grpo is not None:
         z, t, n = grpo["zeal"], grpo["trl"], grpo["samples_per_step"]
         # the first step of each side carries one-off start-up work: report the rest when there is a rest
@@ -202,7 +243,7 @@ def main() -> int:
     ap.add_argument("--trl-ppo-path", default="/work/peers/trl_ppo",
                     help="a folder holding TRL 0.29 (pip install --no-deps --target it trl==0.29.1), the last "
                     "release with PPO, put first on the TRL side's PYTHONPATH")
-    ap.add_argument("--jobs", default="dpo,grpo,ppo", help="comma-separated: dpo, grpo, ppo")
+    ap.add_argument("--jobs", default="dpo,rm,grpo,ppo", help="comma-separated: dpo, rm, grpo, ppo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--optimizer", default="AdamW", choices=["AdamW", "SGD"])
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -212,6 +253,10 @@ def main() -> int:
     ap.add_argument("--dpo-steps", type=int, default=5)
     ap.add_argument("--dpo-batch", type=int, default=4)
     ap.add_argument("--dpo-tol", type=float, default=1e-4)
+    ap.add_argument("--rm-steps", type=int, default=8)
+    ap.add_argument("--rm-batch", type=int, default=4, help="pairs per step")
+    ap.add_argument("--rm-pairs", type=int, default=40)
+    ap.add_argument("--rm-eval", type=float, default=0.2, help="share of the pairs held out")
     ap.add_argument("--grpo-steps", type=int, default=3)
     ap.add_argument("--grpo-batch", type=int, default=2, help="prompts per step")
     ap.add_argument("--group", type=int, default=4, help="G: answers per prompt")
@@ -227,7 +272,7 @@ def main() -> int:
     model_path = str(default_model_path())
     jobs = set(args.jobs.split(","))
     results = {}
-    for name, fn in (("dpo", bench_dpo), ("grpo", bench_grpo), ("ppo", bench_ppo)):
+    for name, fn in (("dpo", bench_dpo), ("rm", bench_rm), ("grpo", bench_grpo), ("ppo", bench_ppo)):
         if name in jobs:
             try:
                 results[name] = fn(args, model_path)
@@ -235,7 +280,7 @@ def main() -> int:
                 print(f"{name}: {e}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(results))
-    return report(results.get("dpo"), results.get("grpo"), results.get("ppo"), args)
+    return report(results.get("dpo"), results.get("grpo"), results.get("ppo"), args, results.get("rm"))
 
 
 if __name__ == "__main__":

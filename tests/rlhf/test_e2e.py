@@ -39,7 +39,8 @@ def test_grpo_reward_rises(tmp_path):
     from zeal.rlhf import grpo
 
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
-           "rlhf": {"steps": 15, "batch_size": 4, "num_generations": 4, "max_new_tokens": 8, "beta": 0.04}}
+           "rlhf": {"steps": 15, "batch_size": 4, "num_generations": 4, "max_new_tokens": 8, "beta": 0.04,
+                    "generation_dtype": "fp32"}}
     res = grpo(tiny(), fraction_of_target, PROMPTS, cfg, out=str(tmp_path))
     first, last = _trend(res.metrics)
     assert last > first + 0.05, (first, last)
@@ -60,7 +61,7 @@ def test_ppo_reward_rises(tmp_path):
 
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
            "rlhf": {"steps": 16, "batch_size": 16, "max_new_tokens": 8, "kl_coef": 0.05, "critic_lr": 1e-2,
-                    "whiten_advantages": True, "ppo_epochs": 2, "ema": 0.9}}
+                    "whiten_advantages": True, "ppo_epochs": 2, "ema": 0.9, "generation_dtype": "fp32"}}
     res = ppo(tiny(), fraction_of_target, PROMPTS, cfg, out=str(tmp_path))
     first, last = _trend(res.metrics)
     assert last > first + 0.05, (first, last)

@@ -103,7 +103,7 @@ def _stage3(rank, world):
 
     res = grpo(tiny_llama(), fraction_of_target, PROMPTS, {
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-        "rlhf": {"steps": 2, "batch_size": 2, "num_generations": 2, "max_new_tokens": 4}})
+        "rlhf": {"steps": 2, "batch_size": 2, "num_generations": 2, "max_new_tokens": 4, "generation_dtype": "fp32"}})
     res.engine.close()
     return max([worst] + [r["logprob_diff"] for r in res.metrics])
 

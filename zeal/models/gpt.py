@@ -208,7 +208,8 @@ class GPT(nn.Module, Checkpointable):
                 positions: torch.Tensor | None = None, attention: Attention = DENSE,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` (B, T), or (T,) for a flat serving batch; ``positions`` default
-        ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project."""
+        ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project (of a
+        (B, T) batch: the positions, e.g. an RLHF answer's)."""
         if positions is None:
             t = input_ids.shape[-1]
             if t > self.config.n_positions:
@@ -218,7 +219,7 @@ class GPT(nn.Module, Checkpointable):
         x = tr.drop(residual_stream(tr.wte(input_ids), fused_ops(attention)) + tr.wpe(positions))
         x = run_blocks(tr.h, x, self.checkpoint_policy, attention)
         if logits_index is not None:
-            x = x[logits_index]
+            x = x[logits_index] if x.dim() == 2 else x[:, logits_index]
         h = tr.ln_f(x, ops=fused_ops(attention))
         if labels is None:
             return self.lm_head(h)

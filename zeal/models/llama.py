@@ -339,7 +339,8 @@ class Llama(nn.Module, Checkpointable):
                 positions: torch.Tensor | None = None, attention: Attention = DENSE,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` (B, T), or (T,) for a flat serving batch; ``positions`` default
-        ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project."""
+        ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project (of a
+        (B, T) batch: the positions, e.g. an RLHF answer's)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
         ops = fused_ops(attention)
@@ -348,7 +349,7 @@ class Llama(nn.Module, Checkpointable):
         x = residual_stream(x, ops)
         x = run_blocks(self.model.layers, x, self.checkpoint_policy, rope, attention)
         if logits_index is not None:
-            x = x[logits_index]
+            x = x[logits_index] if x.dim() == 2 else x[:, logits_index]
         h = self.model.norm(x, ops=ops)
         if labels is None:
             return self.lm_head(h)

@@ -44,6 +44,9 @@ class RLHFConfig(BaseModel):
                                                     "answers ('sequence'), or over all answer tokens ('token').")
     scale_rewards: bool = Field(True, description="GRPO: divide group advantages by the group's std.")
     ppo_epochs: int = Field(1, ge=1, description="PPO/GRPO: passes over each rollout batch.")
+    share_prompt: bool = Field(True, description="GRPO: each prompt goes through the policy and the reference "
+                               "once per group, its answers attending to its keys/values (zeal.rlhf.shared_prefix: "
+                               "the same log-probs); off, or under ZeRO-3 or activation checkpointing: full rows.")
     # PPO (DeepSpeed-Chat's constants)
     kl_coef: float = Field(0.1, ge=0.0, description="PPO: β of the per-token KL penalty in the rewards.")
     clip_reward: float = Field(5.0, gt=0.0, description="PPO: the reward score is clipped to ±this.")
@@ -64,6 +67,10 @@ class RLHFConfig(BaseModel):
     save_every: int = Field(0, ge=0, description="Checkpoint every this many steps (0: only at the end).")
     resume: bool = Field(True, description="Continue from <out>/checkpoints when one exists.")
     kv_cache_bytes: int = Field(256 << 20, ge=1 << 16, description="Hybrid engine: KV cache size while generating.")
+    generation_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Hybrid engine: dtype of the serving copy that generates rollouts. 'auto': bf16 for an "
+        "fp32 actor where the device multiplies bf16 natively (zeal.utils.hardware.native_bf16), else the actor's "
+        "dtype. With a bf16 copy of an fp32 actor, PPO/GRPO ratios and KL use the training side's fp32 log-probs.")
 
 
 def split_config(config: Any, defaults: dict | None = None) -> tuple[dict, RLHFConfig]:

@@ -16,7 +16,7 @@ import torch
 
 from zeal.inference.sampling_params import SamplingParams
 from zeal.rlhf import formulas as fm
-from zeal.rlhf.batch import pack, policy_logprobs
+from zeal.rlhf.batch import answer_logprobs, pack
 from zeal.rlhf.common import (
     RunLog,
     RunResult,
@@ -28,7 +28,8 @@ from zeal.rlhf.common import (
     set_seed,
 )
 from zeal.rlhf.config import split_config
-from zeal.rlhf.hybrid import HybridEngine, Rollout
+from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
+from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -66,7 +67,9 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
     G = rc.num_generations
     engine = build_engine(pol.model, engine_cfg, rc.batch_size * G)
-    hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes)
+    hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
+                          dtype=generation_dtype(rc.generation_dtype, next(engine.module.parameters()).dtype,
+                                                 engine.device))
     run = RunLog(out, engine.rank, "grpo", rc)
     start = run.resume(engine)
     gen.manual_seed(rc.seed * 1000003 + engine.rank)
@@ -79,7 +82,7 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
         rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
         rewards = score(reward_fn, [prompts[i] for i in pick], rollouts)
         t0 = time.perf_counter()
-        stats = _train_on(engine, ref, rollouts, rewards, pol.pad_id, rc)
+        stats = _train_on(engine, ref, rollouts, rewards, pol.pad_id, rc, hybrid.exact_logprobs)
         t_train = time.perf_counter() - t0
         times = hybrid.take_times()
         run.log(step, reward=rewards.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
@@ -89,37 +92,58 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     return RunResult(engine, run.records, run.out, {"hybrid": hybrid})
 
 
-def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int, rc) -> dict:
+def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int, rc,
+              exact: bool = True) -> dict:
     """``ppo_epochs`` passes of the GRPO loss over one rollout batch (in the engine's
-    micro-batches); returns the step's loss, KL, answer length and log-prob gap."""
+    micro-batches); returns the step's loss, KL, answer length and log-prob gap. Each
+    prompt goes through the trunk once per group (``rc.share_prompt``,
+    :mod:`zeal.rlhf.shared_prefix`) where the model allows, and only the answer positions
+    are projected by the LM head. Behaviour log-probs: the serving engine's when ``exact``
+    (it generated in the actor's dtype), else the training side's before any update (the
+    current pass's own, detached, when the batch makes a single optimizer step)."""
     adv = fm.group_advantages(rewards, rc.num_generations, rc.scale_rewards)
-    b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
-             [r.logprobs for r in rollouts])
-    ref_lp = None
-    if ref is not None:
-        with torch.no_grad():
-            ref_lp = policy_logprobs(ref, b.ids)
-    engine.train()
-    n = b.ids.shape[0]
+    if rc.share_prompt and can_share(engine) and (ref is None or can_share(ref)):
+        answers, mask, served = answer_batch(rollouts, pad_id)
+
+        def logprobs(model, s=slice(None)):
+            return rollout_logprobs(model, rollouts[s], answers[s], pad_id)
+    else:
+        b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
+                 [r.logprobs for r in rollouts])
+        s0 = min(len(r.prompt_ids) for r in rollouts) - 1  # the first answer action of any row
+        mask, served = b.mask[:, s0:], b.logprobs[:, s0:]
+
+        def logprobs(model, s=slice(None)):
+            return answer_logprobs(model, b.ids[s], s0)
+    n = len(rollouts)
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
+    chunks = [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
+    if len(chunks) % gas:
+        raise ValueError(f"grpo: {n} rollouts make {len(chunks)} micro-batches of {mb}, not a multiple of "
+                         f"gradient_accumulation_steps {gas}")
+    one_update = rc.ppo_epochs == 1 and len(chunks) == gas
+    with torch.no_grad():
+        ref_lp = logprobs(ref) if ref is not None else None
+        old = served
+        if not exact and not one_update:
+            engine.train()
+            old = torch.cat([logprobs(engine, s) for s in chunks])
+    engine.train()
     losses, kls, gap = [], [], 0.0
     for epoch in range(rc.ppo_epochs):
-        chunks = [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
-        if len(chunks) % gas:
-            raise ValueError(f"grpo: {n} rollouts make {len(chunks)} micro-batches of {mb}, not a multiple of "
-                             f"gradient_accumulation_steps {gas}")
         for s in chunks:
-            lp = policy_logprobs(engine, b.ids[s])
-            m = b.mask[s]
+            lp = logprobs(engine, s)
+            m = mask[s]
             if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
-                gap = max(gap, float(((lp.detach() - b.logprobs[s]).abs() * m).max()))
+                gap = max(gap, float(((lp.detach() - served[s]).abs() * m).max()))
+            o = old[s] if exact or not one_update else lp.detach()
             r_lp = ref_lp[s] if ref_lp is not None else None
-            loss = fm.grpo_loss(lp, b.logprobs[s], r_lp, adv[s], m, rc.clip, rc.clip_high, rc.beta, rc.loss_type)
+            loss = fm.grpo_loss(lp, o, r_lp, adv[s], m, rc.clip, rc.clip_high, rc.beta, rc.loss_type)
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
             if r_lp is not None:
                 kls.append(fm.masked_mean(fm.k3_kl(lp.detach(), r_lp), m).item())
     return {"loss": sum(losses) / len(losses), "kl": sum(kls) / len(kls) if kls else 0.0,
-            "response_length": b.response_lengths.mean().item(), "logprob_diff": gap}
+            "response_length": mask.sum(-1).mean().item(), "logprob_diff": gap}

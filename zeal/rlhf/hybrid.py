@@ -56,19 +56,46 @@ def serving_copy(module: nn.Module, dtype: torch.dtype, device: torch.device) ->
     return model.to(dtype).eval()
 
 
+GENERATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def generation_dtype(name: str, actor_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The serving copy's dtype for the ``rlhf.generation_dtype`` setting: ``"fp32"`` /
+    ``"bf16"`` as named; ``"auto"``: bf16 for an fp32 actor where ``device`` multiplies
+    bf16 natively (:func:`zeal.utils.hardware.native_bf16`; about 2.8x fp32's matmul speed
+    on an AVX512-BF16 CPU), else the actor's own dtype."""
+    if name in GENERATION_DTYPES:
+        return GENERATION_DTYPES[name]
+    if name != "auto":
+        raise ValueError(f"generation_dtype must be 'auto', 'fp32' or 'bf16', not {name!r}")
+    from zeal.utils.hardware import native_bf16
+
+    if actor_dtype == torch.float32 and native_bf16(torch.device(device).type):
+        return torch.bfloat16
+    return actor_dtype
+
+
 class HybridEngine:
     """The actor's :class:`~zeal.train.engine.TrainEngine` and a serving :class:`LLM`
     over a copy of its architecture (``inference_model``: None builds one from the
-    actor's class and config). Engine knobs (``kv_cache_bytes``, ``max_num_seqs``,
-    ``max_model_len``...) are keyword arguments of :class:`LLM`. The engine sleeps
-    (KV cache released) except inside :meth:`generate`."""
+    actor's class and config, in ``dtype``: None is the actor's; a 16-bit copy of an
+    fp32 actor generates faster, its log-probs then differ from the training side's by
+    the rounding, see :attr:`exact_logprobs`). Engine knobs (``kv_cache_bytes``,
+    ``max_num_seqs``, ``max_model_len``...) are keyword arguments of :class:`LLM`. The
+    engine sleeps (KV cache released) except inside :meth:`generate`."""
 
     def __init__(self, engine, tokenizer: Tokenizer | None = None, *, inference_model: nn.Module | None = None,
-                 eos_token_ids: list[int] | None = None, **llm_kwargs) -> None:
+                 eos_token_ids: list[int] | None = None, dtype: torch.dtype | None = None, **llm_kwargs) -> None:
         self.engine = engine
         module = engine.module
-        dtype = next(module.parameters()).dtype
-        model = inference_model if inference_model is not None else serving_copy(module, dtype, engine.device)
+        actor_dtype = next(module.parameters()).dtype
+        model = (inference_model if inference_model is not None
+                 else serving_copy(module, dtype or actor_dtype, engine.device))
+        #: whether the serving copy computes in the actor's dtype, so that its sampled tokens'
+        #: log-probs are the training side's (to rounding: fp32 ~1e-5); a 16-bit copy of an
+        #: fp32 actor gives only approximate ones, and the trainers then take the behaviour
+        #: log-probs of ratios and KL from the training side
+        self.exact_logprobs = next(model.parameters()).dtype == actor_dtype
         self.llm = LLM(model, tokenizer, eos_token_ids=eos_token_ids, **llm_kwargs)
         self.times = PhaseTimes()
         self.num_syncs = 0

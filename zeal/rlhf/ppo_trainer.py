@@ -19,7 +19,7 @@ from torch import nn
 
 from zeal.inference.sampling_params import SamplingParams
 from zeal.rlhf import formulas as fm
-from zeal.rlhf.batch import Packed, pack, policy_logprobs
+from zeal.rlhf.batch import Packed, answer_logprobs, pack, policy_logprobs
 from zeal.rlhf.common import (
     RunLog,
     RunResult,
@@ -32,7 +32,7 @@ from zeal.rlhf.common import (
 )
 from zeal.rlhf.config import split_config
 from zeal.rlhf.grpo_trainer import score
-from zeal.rlhf.hybrid import HybridEngine
+from zeal.rlhf.hybrid import HybridEngine, generation_dtype
 from zeal.rlhf.value import ValueModel, end_scores
 
 log = logging.getLogger("zeal.rlhf")
@@ -106,7 +106,9 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
     actor = build_engine(pol.model, engine_cfg, rc.batch_size)
     critic_engine = build_engine(critic, engine_cfg, rc.batch_size, lr=rc.critic_lr)
-    hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes)
+    hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
+                          dtype=generation_dtype(rc.generation_dtype, next(actor.module.parameters()).dtype,
+                                                 actor.device))
     run = RunLog(out, actor.rank, "ppo", rc)
     start = run.resume(actor)
     if start:
@@ -133,7 +135,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         ptx = None
         if unsup_data and rc.unsup_coef:
             ptx = [unsup_data[i] for i in torch.randint(len(unsup_data), (rc.batch_size,), generator=gen).tolist()]
-        stats = ppo_update(actor, critic_engine, ref, b, scores, rc, ptx, pol.pad_id, ema)
+        stats = ppo_update(actor, critic_engine, ref, b, scores, rc, ptx, pol.pad_id, ema, hybrid.exact_logprobs)
         t_train = time.perf_counter() - t0
         times = hybrid.take_times()
         run.log(step, reward=scores.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
@@ -149,25 +151,31 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
 
 
 def ppo_update(actor, critic, ref: nn.Module, b: Packed, scores: torch.Tensor, rc, ptx: list[list[int]] | None,
-               pad_id: int, ema: EMA | None) -> dict:
-    """One PPO iteration over a rollout batch; returns the metrics of the step."""
-    m = b.mask
+               pad_id: int, ema: EMA | None, exact: bool = True) -> dict:
+    """One PPO iteration over a rollout batch; returns the metrics of the step. Tensors
+    start at the first answer action of any row (the LM head projects only from there).
+    Behaviour log-probs: the serving engine's when ``exact`` (it generated in the actor's
+    dtype), else the training side's first forward, detached (before any update)."""
+    rows = b.mask.any(-1)
+    s0 = int(b.mask.argmax(-1)[rows].min()) if rows.any() else 0  # argmax: a row's first 1
+    m = b.mask[:, s0:]
+    actor.train()
+    lp0 = answer_logprobs(actor, b.ids, s0)
+    old_lp = b.logprobs[:, s0:] if exact else lp0.detach()
     with torch.no_grad():
-        ref_lp = policy_logprobs(ref, b.ids)
+        ref_lp = answer_logprobs(ref, b.ids, s0)
         critic.eval()
-        old_values = critic(b.ids)[:, :-1]
-        old_lp = b.logprobs
+        old_values = critic(b.ids)[:, s0:-1]
         rewards = fm.compute_rewards(old_lp, ref_lp, scores, m, rc.kl_coef, rc.clip_reward)
         adv, returns = fm.gae(rewards, old_values, m, rc.gamma, rc.lam)
         if rc.whiten_advantages:
             adv = fm.whiten(adv, m)
-    actor.train()
     critic.train()
     a_losses, v_losses, gap = [], [], 0.0
     for epoch in range(rc.ppo_epochs):
-        lp = policy_logprobs(actor, b.ids)
+        lp = lp0 if epoch == 0 else answer_logprobs(actor, b.ids, s0)
         if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
-            gap = float(((lp.detach() - old_lp).abs() * m).max())
+            gap = float(((lp.detach() - b.logprobs[:, s0:]).abs() * m).max())
         loss = fm.actor_loss(lp, old_lp, adv, m, rc.clip)
         actor.backward(loss)
         actor.step()
@@ -179,7 +187,7 @@ def ppo_update(actor, critic, ref: nn.Module, b: Packed, scores: torch.Tensor, r
             actor.step()
         if ema is not None:
             ema.update(actor)
-        v = critic(b.ids)[:, :-1]
+        v = critic(b.ids)[:, s0:-1]
         vloss = fm.value_loss(v, old_values, returns, m, rc.clip_value)
         critic.backward(vloss)
         critic.step()
