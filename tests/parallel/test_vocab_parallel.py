@@ -21,7 +21,18 @@ import torch
 import torch.nn.functional as F
 
 from tests.dist_harness import run_ranks
-from tests.parallel.test_tensor_parallel import ACCUM, HIDDEN, MICRO, SEQ, VOCAB, _check, train
+from tests.parallel.test_tensor_parallel import (
+    ACCUM,
+    HIDDEN,
+    MICRO,
+    SEQ,
+    VOCAB,
+    _check,
+    batches,
+    build,
+    config,
+    train,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,8 +69,28 @@ def _ce_case(rank: int) -> dict:
     return out
 
 
+def _whole_logits(kind: str) -> dict:
+    """Without labels the vocabulary-parallel head gives whole logits (generation and
+    evaluation need them); a Hugging Face forward with labels exposes this rank's slice."""
+    import zeal
+
+    ids = batches(1)[0, 0, 0]
+    ref = build(kind)(input_ids=ids)
+    engine = zeal.initialize(build(kind), config(1))
+    with torch.no_grad():
+        got = engine(input_ids=ids)
+        labelled = engine(input_ids=ids, labels=ids)
+    engine.close()
+    if kind != "gpt":
+        got, ref = got.logits, ref.logits
+    out = {"got": got, "ref": ref.detach()}
+    if kind != "gpt":
+        out["local_cols"] = labelled.logits.size(-1)
+    return out
+
+
 def _ranks(rank: int, world: int, combos: list[tuple[str, int]]) -> dict:
-    out = {"ce": _ce_case(rank)} if world == 2 else {}
+    out = {"ce": _ce_case(rank), "logits": {k: _whole_logits(k) for k in ("gpt", "llama")}} if world == 2 else {}
     for kind, stage in combos:
         losses, stats, engine = train(rank, kind, stage)
         splits = engine.tensor_parallel.splits
@@ -99,6 +130,10 @@ def test_vocab_parallel_cross_entropy_and_tp2_training():
             assert torch.allclose(torch.as_tensor(c["grad"]), torch.as_tensor(c["ref_grad"]), atol=1e-6), reduction
             assert c["calls"] == 2 and c["logical"] == 2 * N + 2 * 2 * N  # max of N, then N pairs
             assert c["bytes"] == (N + 2 * N) * 4  # fp32, 2n logical, half of it sent at T = 2
+        for kind, c in res["logits"].items():
+            got, ref = torch.as_tensor(c["got"]), torch.as_tensor(c["ref"])
+            assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-5), kind
+        assert res["logits"]["llama"]["local_cols"] == VOCAB // 2
     _check_vocab(results, combos)
 
 

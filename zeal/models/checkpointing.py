@@ -87,6 +87,8 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
                *extra: object) -> torch.Tensor:
     """``x = block(x, *extra)`` for each block in order, checkpointed as ``policy`` says
     when grad is enabled and the blocks are training; otherwise a plain loop."""
+    from zeal.parallel.rng import get_rng_tracker
+
     blocks = list(blocks)
     if not (policy.enabled and torch.is_grad_enabled() and any(b.training for b in blocks)):
         for b in blocks:
@@ -96,6 +98,7 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
         policy.counter.log_new()  # what the previous backward recomputed
     for start in range(0, len(blocks), policy.every):
         fn = _group(blocks[start:start + policy.every])
+        fn = get_rng_tracker().replayable(fn)  # the tensor-parallel RNG streams, as the forward had them
         if policy.profile:
             fn = _timed(fn, policy.counter, sync=x.is_cuda)
         with _boundary_storage(policy, x):
