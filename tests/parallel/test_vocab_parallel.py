@@ -39,6 +39,20 @@ pytestmark = pytest.mark.timeout(120)
 N, V = 12, 10  # rows and vocabulary of the cross-entropy check
 
 
+def test_a_vocabulary_the_tp_size_does_not_divide_keeps_the_head_whole():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zeal.parallel.tensor import TensorParallel
+    from zeal.parallel.vocab import apply_vocab_parallel
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB - 1, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2))
+    tp = TensorParallel(comm=None, size=2, rank=0)
+    assert apply_vocab_parallel(model, tp) is None
+    assert model.lm_head.weight.shape == (VOCAB - 1, 16) and not tp.splits
+    assert not hasattr(model.lm_head, "vocab_parallel")
+
+
 def _ce_case(rank: int) -> dict:
     """This rank's losses and slice gradients, next to the whole-logits reference."""
     from zeal.dist.context import init_distributed
