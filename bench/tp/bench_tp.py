@@ -9,7 +9,11 @@ each rank sends over tp per step. zeal's bytes come from ``engine.comm_stats()``
 from ``CommDebugMode`` (all-reduce counts) times the activation size, both with the same
 bandwidth-optimal convention (an all-reduce of n fp32 elements sends 2n·4·(T-1)/T
 bytes). The Megatron formula is printed beside: per layer 2 all-reduces of b·s·h forward
-and 2 backward.
+and 2 backward. zeal splits the embedding and the head by vocabulary rows (T divides V):
+its tp bytes are the layers' (Comm kind ``activation``, the Megatron formula) plus the
+vocabulary-parallel ones (kind ``vocab``: the embedding's all-reduce of b·s·h forward, the
+head input's backward, and 3 floats per token for the cross-entropy), printed apart;
+torch's plan keeps the head whole (every rank computes all b·s·V logits).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def build():
     return LlamaForCausalLM(cfg)
 
 
-def _zeal(world: int, steps: int, ids) -> tuple[list[float], int]:
+def _zeal(world: int, steps: int, ids) -> tuple[list[float], tuple[int, int, int]]:
     import zeal
 
     engine = zeal.initialize(build(), {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
@@ -48,7 +52,9 @@ def _zeal(world: int, steps: int, ids) -> tuple[list[float], int]:
         engine.backward(out.loss)
         engine.step()
         times.append(time.perf_counter() - t0)
-    tp_bytes = engine.comm_stats()["last_step"]["by_dim"]["tp"]["bytes"]
+    last = engine.comm_stats()["last_step"]
+    tp_bytes = (last["by_dim"]["tp"]["bytes"], last["by_op"]["all_reduce/activation"]["bytes"],
+                last["by_op"].get("all_reduce/vocab", {}).get("bytes", 0))
     engine.close()
     return times, tp_bytes
 
@@ -122,11 +128,16 @@ def main() -> None:
         p.join(timeout=30)
     _, zt, zb, tt, tb = res[0]
     z, t = statistics.median(zt[1:]), statistics.median(tt[1:])
-    formula = LAYERS * 4 * 2 * BATCH * SEQ * HIDDEN * 4 * (a.world - 1) // a.world
-    print(f"Llama h={HIDDEN} layers={LAYERS} heads={HEADS}/{KV} b={BATCH} s={SEQ}, TP {a.world} gloo CPU, fp32")
+    share = 4 * (a.world - 1) // a.world  # fp32 bytes sent per logical element of an all-reduce, x2 below
+    formula = LAYERS * 4 * 2 * BATCH * SEQ * HIDDEN * share
+    vocab = (2 * 2 * BATCH * SEQ * HIDDEN + 2 * 3 * BATCH * SEQ) * share
+    total, act, voc = zb
+    print(f"Llama h={HIDDEN} layers={LAYERS} heads={HEADS}/{KV} V={VOCAB} b={BATCH} s={SEQ}, TP {a.world} gloo CPU, "
+          "fp32")
     print(f"step time   zeal {z * 1e3:8.1f} ms   torch TP {t * 1e3:8.1f} ms   zeal/torch {z / t:.2f}x")
-    print(f"tp bytes    zeal {zb:>10}   torch TP {tb:>10}   Megatron formula {formula:>10}   "
-          f"zeal/torch {zb / max(tb, 1):.2f}x")
+    print(f"tp bytes    zeal {total:>10}   torch TP {tb:>10}   zeal/torch {total / max(tb, 1):.2f}x")
+    print(f"  zeal layers (activation) {act:>10}   Megatron formula {formula:>10}")
+    print(f"  zeal vocab-parallel      {voc:>10}   formula (emb + head 2·b·s·h each, CE 3·b·s) {vocab:>10}")
 
 
 if __name__ == "__main__":

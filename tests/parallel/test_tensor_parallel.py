@@ -220,6 +220,8 @@ def _check(results: list[dict], combos: list[tuple[str, int]]) -> dict:
             assert act["bytes"] == ACCUM * LAYERS * 4 * 2 * bsh * 4 // 2  # fp32, (T-1)/T of it sent
             assert act["calls"] == ACCUM * LAYERS * 4
             assert got["stats"]["by_dim"]["tp"]["bytes"] >= act["bytes"]
+            # T divides the vocabulary: embedding and head are vocabulary-parallel (zeal.parallel.vocab)
+            assert got["stats"]["by_op"]["all_reduce/vocab"]["calls"] == ACCUM * 4, (kind, stage)
             if kind == "gpt":
                 final = refs[("state", kind, dp)]
                 for name, v in res["gpt_state"].items():

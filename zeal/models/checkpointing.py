@@ -13,6 +13,7 @@ forward of the blocks. Serving (grad off) and evaluation never checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -86,6 +87,8 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
                *extra: object) -> torch.Tensor:
     """``x = block(x, *extra)`` for each block in order, checkpointed as ``policy`` says
     when grad is enabled and the blocks are training; otherwise a plain loop."""
+    from zeal.parallel.rng import get_rng_tracker
+
     blocks = list(blocks)
     if not (policy.enabled and torch.is_grad_enabled() and any(b.training for b in blocks)):
         for b in blocks:
@@ -95,6 +98,7 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
         policy.counter.log_new()  # what the previous backward recomputed
     for start in range(0, len(blocks), policy.every):
         fn = _group(blocks[start:start + policy.every])
+        fn = get_rng_tracker().replayable(fn)  # the tensor-parallel RNG streams, as the forward had them
         if policy.profile:
             fn = _timed(fn, policy.counter, sync=x.is_cuda)
         with _boundary_storage(policy, x):
@@ -112,23 +116,32 @@ def causal_lm_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, polic
     ``-100`` ignored). Under an active ``policy`` the logits are never whole: chunks of
     rows are projected, scored and summed, each chunk checkpointed, so what is kept for
     backward is ``h`` alone (not the b·s·V fp32 log-softmax) and backward recomputes one
-    chunk's logits at a time. Same value as the plain path up to summation order."""
+    chunk's logits at a time. Same value as the plain path up to summation order. A
+    vocabulary-parallel head (:mod:`zeal.parallel.vocab`) projects this rank's slice of the
+    logits only, scored by the vocabulary-parallel cross-entropy."""
+    vp = getattr(head, "vocab_parallel", None)  # a vocabulary-parallel head (zeal.parallel.vocab)
+    if vp is not None:
+        from zeal.parallel.vocab import vocab_local_logits
+
+        project, ce = functools.partial(vocab_local_logits, head, vp), vp.cross_entropy
+    else:
+        project, ce = head, F.cross_entropy
     if not (policy.enabled and torch.is_grad_enabled() and head.training):
-        logits = head(h)
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1),
-                               ignore_index=-100)
+        logits = project(h)
+        return ce(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
     hs = h[:, :-1].reshape(-1, h.size(-1))
     ys = labels[:, 1:].reshape(-1)
     rows = max(1, LOSS_CHUNK_ELEMS // _out_features(head, h))
     total = None
     for start in range(0, hs.size(0), rows):
-        part = checkpoint(_chunk_loss, head, hs[start:start + rows], ys[start:start + rows], use_reentrant=False)
+        part = checkpoint(_chunk_loss, project, ce, hs[start:start + rows], ys[start:start + rows],
+                          use_reentrant=False)
         total = part if total is None else total + part
     return total / (ys != -100).sum().clamp(min=1)
 
 
-def _chunk_loss(head: nn.Module, hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(hc).float(), yc, ignore_index=-100, reduction="sum")
+def _chunk_loss(project: Callable, ce: Callable, hc: torch.Tensor, yc: torch.Tensor) -> torch.Tensor:
+    return ce(project(hc).float(), yc, ignore_index=-100, reduction="sum")
 
 
 def _out_features(head: nn.Module, h: torch.Tensor) -> int:

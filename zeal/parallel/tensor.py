@@ -10,17 +10,22 @@ in place: every Parameter keeps its identity and name and gets this rank's slice
 data (so an optimizer or a ZeRO group built over the model still sees it); only the
 attention's head-count attributes and the row linears' ``forward`` change.
 
-What stays whole on every tp rank: embeddings, norms, the LM head and the row linears'
-biases (vocabulary-parallel embedding and head are not done: the head's logits are
-computed whole on each rank). These *replicated* parameters get identical gradients on
-every tp rank because every column pair all-reduces its input gradient. GQA key/value
+What stays whole on every tp rank: norms, position embeddings and the row linears'
+biases; the token embedding and the LM head too when the tp size does not divide the
+vocabulary (or under pipeline parallelism, or when serving) — otherwise training splits
+them by vocabulary rows with a vocabulary-parallel cross-entropy
+(:mod:`zeal.parallel.vocab`, applied after this step). These *replicated* parameters get
+identical gradients on every tp rank because every column pair all-reduces its input
+gradient. GQA key/value
 heads are split whole (the tp size must divide both head counts). Known families:
 zeal's GPT and Llama, Hugging Face's Llama, Qwen2, Mistral (``q_proj ... down_proj``)
 and GPT-2 (``Conv1D``, fused ``c_attn``). Any other linear layer (outside the head) is
 refused naming its module.
 
 RNG: the tp ranks of a group start from tp rank 0's generator state and run the same
-random ops on same-shaped tensors, so dropout masks of replicated activations agree.
+random ops on same-shaped tensors, so dropout masks of replicated activations agree;
+random ops inside a split pair draw from the per-tp-rank stream of
+:mod:`zeal.parallel.rng` (applied by training after this step).
 """
 
 from __future__ import annotations

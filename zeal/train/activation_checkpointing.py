@@ -81,7 +81,9 @@ def _enable_hf(model: nn.Module, section: ActivationCheckpointingConfig) -> None
     if not model.supports_gradient_checkpointing:
         raise ConfigError(f"config key 'activation_checkpointing': {type(model).__name__} does not support "
                           "gradient checkpointing (supports_gradient_checkpointing is False)")
-    kwargs = {"use_reentrant": False}
+    from zeal.parallel.rng import checkpoint_context
+
+    kwargs = {"use_reentrant": False, "context_fn": checkpoint_context}  # recompute replays the tp RNG streams
     zeal_only = [k for k in ("profile",) if getattr(section, k)]
     if section.number_checkpoints is not None:
         zeal_only.append("number_checkpoints")

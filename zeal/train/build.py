@@ -45,7 +45,9 @@ from zeal.dist.mesh import Mesh, build_mesh
 from zeal.moe.apply import apply_moe, model_ep_size
 from zeal.moe.layout import set_global_layout
 from zeal.parallel.norm import TPGradNorm
+from zeal.parallel.rng import apply_rng_regions
 from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
+from zeal.parallel.vocab import apply_vocab_parallel
 from zeal.pipe.apply import apply_pipeline
 from zeal.pipe.engine import PipelineEngine
 from zeal.precision.apply import apply_precision
@@ -111,6 +113,10 @@ def initialize(
     token_drop = _token_drop(model, cfg)
     compression = apply_compression(model, cfg.compression)
     tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
+    if tp is not None and mesh.pp_size == 1:  # embedding and head split by vocabulary rows where T divides V
+        apply_vocab_parallel(model, tp)
+    if tp is not None:  # random ops inside split pairs draw from a per-tp-rank stream
+        apply_rng_regions(model, tp, cfg.seed)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
