@@ -60,7 +60,7 @@ def policy_from_section(section: ActivationCheckpointingConfig, n_blocks: int,
     """The enabled policy for a stack of ``n_blocks`` blocks."""
     return CheckpointPolicy(enabled=True, every=blocks_per_checkpoint(n_blocks, section.number_checkpoints),
                             cpu_checkpointing=section.cpu_checkpointing, profile=section.profile,
-                            use_reentrant=use_reentrant)
+                            use_reentrant=use_reentrant, comm_aware=section.communication_aware)
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -82,7 +82,7 @@ def _enable_hf(model: nn.Module, section: ActivationCheckpointingConfig) -> None
         raise ConfigError(f"config key 'activation_checkpointing': {type(model).__name__} does not support "
                           "gradient checkpointing (supports_gradient_checkpointing is False)")
     kwargs = {"use_reentrant": False}
-    zeal_only = [k for k in ("profile",) if getattr(section, k)]
+    zeal_only = [k for k in ("profile", "communication_aware") if getattr(section, k)]
     if section.number_checkpoints is not None:
         zeal_only.append("number_checkpoints")
     if hasattr(model, "activation_checkpointing_enable"):
