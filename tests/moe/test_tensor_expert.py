@@ -5,7 +5,7 @@ around the all-to-alls, communication-aware checkpointing).
 Reference: the single-process model with every expert local (plain torch AdamW and
 ``clip_grad_norm_`` below the gradient norm, the global batch at once), fp32, no token
 dropped (zeal's GPT: top-1 with capacity factor = experts; the DeepSpeed-signature layer
-in a user model: ``drop_tokens=False``), aux-loss coefficient 0, 5 steps. TP sums partial
+in a user model: ``drop_tokens=False``), aux-loss coefficient 0, 5 steps, ZeRO stages 0-2. TP sums partial
 products in another order than one matmul, so losses agree to fp32 rounding.
 """
 
@@ -109,12 +109,12 @@ def train(model: nn.Module, stage: int, drop_duplicates: bool = True, **extra) -
 def _tp_ep(rank: int, world: int) -> dict:
     # every model is built before the first initialize joins the job (a layer built after
     # init_process_group keeps rank % ep_size's experts, which under tp is not its ep rank)
-    m = {key: build("user" if key == "user" else "gpt", 2)
-         for key in ("gpt", "gpt_full", "user", "gpt_ckpt", "gpt_cac")}
+    m = {key: build("user" if key.startswith("user") else "gpt", 2)
+         for key in ("gpt", "gpt_full", "user", "user0", "gpt_ckpt", "gpt_cac")}
     ckpt = {"activation_checkpointing": {}}
     cac = {"activation_checkpointing": {"communication_aware": True}}
     return {"gpt": train(m["gpt"], 1), "gpt_full": train(m["gpt_full"], 1, drop_duplicates=False),
-            "user": train(m["user"], 2), "gpt_ckpt": train(m["gpt_ckpt"], 1, **ckpt),
+            "user": train(m["user"], 2), "user0": train(m["user0"], 0), "gpt_ckpt": train(m["gpt_ckpt"], 1, **ckpt),
             "gpt_cac": train(m["gpt_cac"], 1, **cac)}
 
 
@@ -136,7 +136,7 @@ def test_tp2_ep2_matches_single_process_and_dedups_all_to_all():
     from zeal.moe.mappings import a2a_bytes_per_call
 
     results = run_ranks(_tp_ep, 4, timeout=190)
-    for kind, key in (("gpt", "gpt"), ("gpt", "gpt_full"), ("user", "user")):
+    for kind, key in (("gpt", "gpt"), ("gpt", "gpt_full"), ("user", "user"), ("user", "user0")):
         got = mean_losses([r[key] for r in results], 2)
         assert got == pytest.approx(reference(kind, 2), rel=1e-5, abs=1e-5), key
     for r in results:
