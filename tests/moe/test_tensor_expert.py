@@ -62,7 +62,8 @@ def batches(dp: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, dp, MICRO, SEQ), generator=torch.Generator().manual_seed(7))
 
 
-def reference(kind: str, dp: int) -> list[float]:
+def reference(kind: str, dp: int, after: dict | None = None) -> list[float]:
+    """Per-step losses of the single-process model; ``after["model"]``: the model after them."""
     model = build(kind, 1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
@@ -74,6 +75,8 @@ def reference(kind: str, dp: int) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
+    if after is not None:
+        after["model"] = model
     return losses
 
 
@@ -83,7 +86,7 @@ def config(stage: int, **extra) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, **extra}
 
 
-def train(model: nn.Module, stage: int, drop_duplicates: bool = True, **extra) -> dict:
+def train(model: nn.Module, stage: int, drop_duplicates: bool = True, save: str | None = None, **extra) -> dict:
     import zeal
     from zeal.moe import moe_layers
 
@@ -102,18 +105,20 @@ def train(model: nn.Module, stage: int, drop_duplicates: bool = True, **extra) -
         c = engine.comm_stats()["last_step"]["by_op"].get("all_to_all/moe", {"bytes": 0, "calls": 0})
         a2a.append((c["calls"], c["bytes"], layers[0].deepspeed_moe.gate_capacity))
     state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    if save is not None:
+        engine.save_checkpoint(save, tag="tp2ep2")
     engine.close()
     return {"losses": losses, "a2a": a2a, "dp": engine.mesh.dp_rank, "state": state}
 
 
-def _tp_ep(rank: int, world: int) -> dict:
+def _tp_ep(rank: int, world: int, root: str) -> dict:
     # every model is built before the first initialize joins the job (a layer built after
     # init_process_group keeps rank % ep_size's experts, which under tp is not its ep rank)
     m = {key: build("user" if key.startswith("user") else "gpt", 2)
          for key in ("gpt", "gpt_full", "user", "user0", "gpt_ckpt", "gpt_cac")}
     ckpt = {"activation_checkpointing": {}}
     cac = {"activation_checkpointing": {"communication_aware": True}}
-    return {"gpt": train(m["gpt"], 1), "gpt_full": train(m["gpt_full"], 1, drop_duplicates=False),
+    return {"gpt": train(m["gpt"], 1, save=root), "gpt_full": train(m["gpt_full"], 1, drop_duplicates=False),
             "user": train(m["user"], 2), "user0": train(m["user0"], 0), "gpt_ckpt": train(m["gpt_ckpt"], 1, **ckpt),
             "gpt_cac": train(m["gpt_cac"], 1, **cac)}
 
@@ -131,14 +136,29 @@ def mean_losses(runs: list[dict], dp: int) -> list[float]:
     return [sum(firsts[d][i] for d in range(dp)) / dp for i in range(STEPS)]
 
 
+def load_in_one_process(root: str) -> nn.Module:
+    """The TP 2 x EP 2 checkpoint loaded by a single process with every expert local."""
+    import zeal
+
+    engine = zeal.initialize(build("gpt", 1), config(0, tensor_parallel={"autotp_size": 1}))
+    engine.load_checkpoint(root, tag="tp2ep2")
+    return engine.module
+
+
 @pytest.mark.timeout(200)
-def test_tp2_ep2_matches_single_process_and_dedups_all_to_all():
+def test_tp2_ep2_matches_single_process_and_dedups_all_to_all(tmp_path):
     from zeal.moe.mappings import a2a_bytes_per_call
 
-    results = run_ranks(_tp_ep, 4, timeout=190)
+    results = run_ranks(_tp_ep, 4, str(tmp_path), timeout=190)
+    after: dict = {}
     for kind, key in (("gpt", "gpt"), ("gpt", "gpt_full"), ("user", "user"), ("user", "user0")):
         got = mean_losses([r[key] for r in results], 2)
-        assert got == pytest.approx(reference(kind, 2), rel=1e-5, abs=1e-5), key
+        assert got == pytest.approx(reference(kind, 2, after if key == "gpt" else None), rel=1e-5, abs=1e-5), key
+    # the checkpoint holds the whole model: in one process it gives the reference's logits
+    loaded, ref = load_in_one_process(str(tmp_path)).eval(), after["model"].eval()
+    ids = torch.randint(0, VOCAB, (3, SEQ), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), ref(ids), rtol=1e-4, atol=1e-5)
     for r in results:
         for (calls, nbytes, cap), (calls_full, full, cap_full) in zip(r["gpt"]["a2a"], r["gpt_full"]["a2a"]):
             assert cap == cap_full == MICRO * SEQ  # top-1, capacity factor = experts: C = tokens per rank
