@@ -15,9 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from tests.dist_harness import run_ranks
 from zeal.moe import MoE
+from zeal.moe.recompute import comm_aware
 
 STEPS, LR, CLIP, MICRO, SEQ, VOCAB, DIM, EXPERTS = 5, 1e-2, 0.5, 2, 8, 64, 16, 4
 
@@ -28,6 +30,7 @@ class UserMoE(nn.Module):
 
     def __init__(self, ep_size: int = 1) -> None:
         super().__init__()
+        self.checkpointed = False  # the MoE under torch's checkpoint, communication-aware
         self.wte = nn.Embedding(VOCAB, DIM)
         expert = nn.Sequential(nn.Linear(DIM, 32), nn.GELU(), nn.Linear(32, DIM))
         self.moe = MoE(DIM, expert, EXPERTS, ep_size=ep_size, k=2, drop_tokens=False, use_rts=False,
@@ -42,7 +45,10 @@ class UserMoE(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.wte(input_ids)
-        out, _, _ = self.moe(h)
+        if self.checkpointed:
+            out = checkpoint(comm_aware(lambda t: self.moe(t)[0]), h, use_reentrant=False)
+        else:
+            out, _, _ = self.moe(h)
         logits = self.lm_head(self.norm(h + out))
         return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
@@ -95,31 +101,34 @@ def train(model: nn.Module, stage: int, drop_duplicates: bool = True, save: str 
     for m in layers:
         m.deepspeed_moe.drop_duplicates = drop_duplicates
     ids = batches(engine.mesh.dp_size)
-    losses, a2a = [], []
+    losses, a2a, control = [], [], []
     for step in ids:
         x = step[engine.mesh.dp_rank]
         loss = engine(x, labels=x)
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-        c = engine.comm_stats()["last_step"]["by_op"].get("all_to_all/moe", {"bytes": 0, "calls": 0})
+        ops = engine.comm_stats()["last_step"]["by_op"]
+        c = ops.get("all_to_all/moe", {"bytes": 0, "calls": 0})
         a2a.append((c["calls"], c["bytes"], layers[0].deepspeed_moe.gate_capacity))
+        control.append(ops.get("all_reduce/control", {"calls": 0})["calls"])
     state = {k: v.clone() for k, v in engine.module.state_dict().items()}
     if save is not None:
         engine.save_checkpoint(save, tag="tp2ep2")
     engine.close()
-    return {"losses": losses, "a2a": a2a, "dp": engine.mesh.dp_rank, "state": state}
+    return {"losses": losses, "a2a": a2a, "control": control, "dp": engine.mesh.dp_rank, "state": state}
 
 
 def _tp_ep(rank: int, world: int, root: str) -> dict:
     # every model is built before the first initialize joins the job (a layer built after
     # init_process_group keeps rank % ep_size's experts, which under tp is not its ep rank)
     m = {key: build("user" if key.startswith("user") else "gpt", 2)
-         for key in ("gpt", "gpt_full", "user", "user0", "gpt_ckpt", "gpt_cac")}
+         for key in ("gpt", "gpt_full", "user", "user0", "user_cac", "gpt_ckpt", "gpt_cac")}
+    m["user_cac"].checkpointed = True
     ckpt = {"activation_checkpointing": {}}
     cac = {"activation_checkpointing": {"communication_aware": True}}
     return {"gpt": train(m["gpt"], 1, save=root), "gpt_full": train(m["gpt_full"], 1, drop_duplicates=False),
-            "user": train(m["user"], 2), "user0": train(m["user0"], 0), "gpt_ckpt": train(m["gpt_ckpt"], 1, **ckpt),
+            "user": train(m["user"], 2), "user0": train(m["user0"], 0), "user_cac": train(m["user_cac"], 2), "gpt_ckpt": train(m["gpt_ckpt"], 1, **ckpt),
             "gpt_cac": train(m["gpt_cac"], 1, **cac)}
 
 
@@ -170,6 +179,10 @@ def test_tp2_ep2_matches_single_process_and_dedups_all_to_all(tmp_path):
         assert [c for c, _, _ in r["gpt_ckpt"]["a2a"]] == [6] * STEPS  # plain checkpointing exchanges again
         assert [c for c, _, _ in r["gpt_cac"]["a2a"]] == [4] * STEPS
         assert r["gpt_cac"]["a2a"] == r["gpt"]["a2a"]
+        # a user's own torch checkpoint wrapped in comm_aware, drop_tokens=False: neither the
+        # all-to-alls nor the capacity's max over ep are issued again
+        assert r["user_cac"]["a2a"] == r["user"]["a2a"] and r["user_cac"]["control"] == r["user"]["control"]
+        assert r["user_cac"]["losses"] == pytest.approx(r["user"]["losses"], rel=1e-6, abs=1e-7)
         for key in ("gpt_ckpt", "gpt_cac"):
             assert r[key]["losses"] == pytest.approx(r["gpt"]["losses"], rel=1e-6, abs=1e-7)
             for name, t in r["gpt"]["state"].items():

@@ -7,8 +7,8 @@ all-to-alls both times. Under :func:`comm_aware` the first run keeps every all-t
 output of its MoE layers (detached, in call order) and a later run of the same call takes
 them back in the same order instead of communicating: its ``all_to_all`` is an autograd
 node whose forward returns the saved tensor and whose backward is the ordinary
-all-to-all of the gradient. One all-to-all pair per MoE layer and step less, for the
-memory of the saved outputs (held until the group's backward is done). The
+all-to-all of the gradient (``drop_tokens=False``'s capacity, agreed over ep, is reused
+too). One all-to-all pair per MoE layer and step less, for the memory of the saved outputs (held until the group's backward is done). The
 recomputation reruns the gating with the same random state (checkpointing restores it),
 so the routing, and the buffers the saved outputs belong to, are the same.
 
@@ -35,11 +35,19 @@ class SavedExchanges:
 
     def __init__(self) -> None:
         self.outputs: list[torch.Tensor] = []
+        self.scalars: list[float] = []  # values agreed over a group (drop_tokens=False's capacity)
         self.replaying = False
-        self.cursor = 0
+        self.cursor = self.scalar_cursor = 0
 
     def start(self, replay: bool) -> None:
-        self.replaying, self.cursor = replay, 0
+        self.replaying, self.cursor, self.scalar_cursor = replay, 0, 0
+
+    def next_scalar(self) -> float:
+        if self.scalar_cursor >= len(self.scalars):
+            raise RuntimeError("communication-aware checkpointing: the recomputation agreed more values over the "
+                               "expert-parallel group than the forward")
+        self.scalar_cursor += 1
+        return self.scalars[self.scalar_cursor - 1]
 
     def next(self) -> torch.Tensor:
         if self.cursor >= len(self.outputs):
@@ -86,6 +94,19 @@ class _Replayed(torch.autograd.Function):
         out = torch.empty_like(grad)
         ctx.comm.all_to_all(out, grad, "moe")
         return out, None, None
+
+
+def agreed(compute: Callable[[], float]) -> float:
+    """``compute()`` (a scalar collective, e.g. the largest expert count over ep), recorded
+    or replayed like the all-to-alls when a :func:`comm_aware` call is running."""
+    saved: SavedExchanges | None = getattr(_state, "saved", None)
+    if saved is None:
+        return compute()
+    if saved.replaying:
+        return saved.next_scalar()
+    value = compute()
+    saved.scalars.append(value)
+    return value
 
 
 def exchange(comm: Comm | None, x: torch.Tensor, all_to_all: Callable) -> torch.Tensor:
