@@ -31,7 +31,7 @@ def apply_activation_checkpointing(model: nn.Module,
     ``section`` None changes nothing (a zeal model's own ``checkpoint_activations``
     flag still applies, with one checkpoint per block). The model itself or, failing
     that, its outermost checkpointable submodules are the targets: a zeal model gets
-    ``every = ceil(n_layer / number_checkpoints)``, ``cpu_checkpointing`` and
+    ``every = ceil(n_layer / number_checkpoints)``, ``cpu_checkpointing``, ``communication_aware`` and
     ``profile``; a Hugging Face model checkpoints every layer, non-reentrant, with
     ``cpu_checkpointing`` where its transformers version can offload
     (``number_checkpoints`` and ``profile`` are zeal-only and logged as such).
