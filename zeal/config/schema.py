@@ -242,6 +242,9 @@ class ActivationCheckpointingConfig(Section):
     synchronize_checkpoint_boundary: bool = Field(
         False, description="Accepted for compatibility; no effect in zeal.")
     profile: bool = Field(False, description="Time the recomputation in backward (zeal's models; logged at debug).")
+    communication_aware: bool = Field(
+        False, description="DeepSpeed-TED's communication-aware checkpointing (zeal's models): the recompute of an "
+        "MoE layer reuses the expert-parallel all-to-all outputs saved in forward instead of exchanging again.")
 
     @field_validator("partition_activations")
     @classmethod

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zeal.moe.recompute import comm_aware
+
 log = logging.getLogger("zeal")
 _said: set[str] = set()
 
@@ -61,13 +63,16 @@ class RecomputeCounter:
 class CheckpointPolicy:
     """How a layer stack checkpoints. ``every``: blocks per checkpointed group (the last
     group may be shorter); ``cpu_checkpointing``: keep the group inputs in pinned CPU
-    memory (CUDA only); ``profile``: time recomputation into ``counter``."""
+    memory (CUDA only); ``profile``: time recomputation into ``counter``;
+    ``comm_aware``: the recomputation reuses the MoE all-to-all outputs of the forward
+    (:func:`zeal.moe.recompute.comm_aware`)."""
 
     enabled: bool = False
     every: int = 1
     cpu_checkpointing: bool = False
     profile: bool = False
     use_reentrant: bool = False
+    comm_aware: bool = False
     counter: RecomputeCounter = field(default_factory=RecomputeCounter, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +104,8 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
     for start in range(0, len(blocks), policy.every):
         fn = _group(blocks[start:start + policy.every])
         fn = get_rng_tracker().replayable(fn)  # the tensor-parallel RNG streams, as the forward had them
+        if policy.comm_aware:
+            fn = comm_aware(fn)
         if policy.profile:
             fn = _timed(fn, policy.counter, sync=x.is_cuda)
         with _boundary_storage(policy, x):

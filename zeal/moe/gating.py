@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from zeal.dist.comm import Comm
+from zeal.moe.recompute import agreed
 
 NOISY_POLICIES = (None, "Jitter", "RSample")
 
@@ -68,8 +69,8 @@ def multiplicative_jitter(x: torch.Tensor, eps: float = 1e-2) -> torch.Tensor:
 def _max_count(counts: torch.Tensor, ep: Comm | None) -> int:
     """``drop_tokens=False``: the capacity that drops nothing on any rank of the ep group."""
     local = int(counts.max()) if counts.numel() else 0
-    if ep is not None and ep.active:
-        local = int(ep.all_reduce_scalar(float(local), "max"))
+    if ep is not None and ep.active:  # (a checkpoint's recompute reuses the forward's value)
+        local = int(agreed(lambda: ep.all_reduce_scalar(float(local), "max")))
     return max(local, 1)
 
 

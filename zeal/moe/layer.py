@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from zeal.dist.comm import Comm
@@ -35,6 +36,8 @@ from zeal.moe.dispatch import (
     dispatch_sort,
 )
 from zeal.moe.gating import TopKGate
+from zeal.moe.mappings import drop_tokens, gather_tokens, padded_capacity
+from zeal.moe.recompute import exchange
 
 _DEFAULT_MESHES: dict[int, object] = {}  # ep size -> the mesh of layers bound at their first forward
 
@@ -93,6 +96,11 @@ class MOELayer(nn.Module):
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
         self.gate_capacity = 0  # the last forward's capacity C
+        # tensor parallelism (zeal.moe.tensor, bound by apply_tensor_parallel): the tp group
+        # the tokens are replicated over, and duplicate-token dropping around the all-to-alls
+        self.tp: Comm | None = None
+        self.tp_rank = 0
+        self.drop_duplicates = True
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         d = x.shape[-1]
@@ -104,11 +112,25 @@ class MOELayer(nn.Module):
         else:
             buf, state = dispatch_einsum(flat, r)
         e, c = r.num_experts, r.capacity
-        buf = all_to_all(self.ep, buf)  # [E, C, d] → [ep, E_local, C, d] from every source rank
+        buf = self._exchange(buf)  # [E, C, d] → [ep, E_local, C, d] from every source rank
         y = self.experts(buf.view(self.ep_size, e // self.ep_size, c, d))
-        y = all_to_all(self.ep, y.reshape(e, c, d))  # back to the ranks the tokens came from
+        y = self._exchange(y.reshape(e, c, d))  # back to the ranks the tokens came from
         out = combine_sort(y, state) if self.dispatch == "sort" else combine_einsum(y, state)
         return out.reshape(x.shape).to(x.dtype)
+
+    def _exchange(self, buf: torch.Tensor) -> torch.Tensor:
+        """The ep all-to-all of ``buf`` [E, C, d]. Under tensor parallelism with
+        duplicate-token dropping each tp rank sends its 1/T of the capacity rows (padded
+        to a multiple of T) and the slices are gathered over tp after (zeal.moe.tensor)."""
+        tp = self.tp
+        if tp is None or not tp.active or not self.drop_duplicates or self.ep is None or not self.ep.active:
+            return exchange(self.ep, buf, all_to_all)
+        c = buf.shape[1]
+        cp = padded_capacity(c, tp.size)
+        if cp != c:
+            buf = F.pad(buf, (0, 0, 0, cp - c))
+        out = gather_tokens(exchange(self.ep, drop_tokens(buf, tp, self.tp_rank), all_to_all), tp, self.tp_rank)
+        return out[:, :c] if cp != c else out
 
 
 class MoE(nn.Module):
@@ -123,17 +145,24 @@ class MoE(nn.Module):
     expert mixed with the MoE output by a learned softmax coefficient
     (``Linear(hidden, 2)``); ``dispatch``: ``"einsum"`` (the [E, C, d] one-hot,
     DeepSpeed's) or ``"sort"`` (index copies), same results.
+
+    Under ``"tensor_parallel": {"autotp_size": T}`` every expert is split over tp like an
+    MLP and the router stays whole (:mod:`zeal.moe.tensor`);
+    ``enable_expert_tensor_parallelism`` is accepted for DeepSpeed's signature (zeal
+    splits the experts either way: the same results, 1/T of the expert memory).
     """
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, ep_size: int = 1, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  use_residual: bool = False, noisy_gate_policy: str | None = None, drop_tokens: bool = True,
-                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, dispatch: str = "einsum") -> None:
+                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, dispatch: str = "einsum",
+                 enable_expert_tensor_parallelism: bool = False) -> None:
         super().__init__()
         if ep_size < 1 or num_experts % ep_size:
             raise ValueError(f"MoE num_experts {num_experts} must be divisible by ep_size {ep_size}")
         self.hidden_size, self.num_experts, self.ep_size = hidden_size, num_experts, ep_size
         self.use_residual = use_residual
+        self.enable_expert_tensor_parallelism = enable_expert_tensor_parallelism
         gate = TopKGate(hidden_size, num_experts, k, capacity_factor, eval_capacity_factor, min_capacity,
                         noisy_gate_policy, drop_tokens, use_rts, top2_2nd_expert_sampling)
         self.deepspeed_moe = MOELayer(gate, Experts(expert, num_experts, ep_size), ep_size, dispatch)

@@ -20,7 +20,8 @@ gradient. GQA key/value
 heads are split whole (the tp size must divide both head counts). Known families:
 zeal's GPT and Llama, Hugging Face's Llama, Qwen2, Mistral (``q_proj ... down_proj``)
 and GPT-2 (``Conv1D``, fused ``c_attn``). Any other linear layer (outside the head) is
-refused naming its module.
+refused naming its module. MoE layers (:class:`zeal.moe.MoE`): each expert split like an
+MLP, the router whole, tokens deduplicated around the all-to-alls (:mod:`zeal.moe.tensor`).
 
 RNG: the tp ranks of a group start from tp rank 0's generator state and run the same
 random ops on same-shaped tensors, so dropout masks of replicated activations agree;
@@ -207,9 +208,9 @@ def _head_modules(model: nn.Module) -> set[nn.Module]:
     return out
 
 
-def _check_coverage(model: nn.Module, pairs: list[_Pair]) -> None:
+def _check_coverage(model: nn.Module, pairs: list[_Pair], replicated: set[int] = frozenset()) -> None:
     covered = {id(m) for p in pairs for m in (p.row, *(c for c, _ in p.columns))}
-    covered |= {id(m) for m in _head_modules(model)}
+    covered |= {id(m) for m in _head_modules(model)} | replicated
     for name, m in model.named_modules():
         if _is_linear(m) and id(m) not in covered:
             raise ConfigError(f"tensor_parallel: zeal cannot split module '{name}' ({type(m).__name__}): "
@@ -291,7 +292,11 @@ def apply_tensor_parallel(model: nn.Module, size: int, mesh) -> TensorParallel |
         raise ConfigError(f"tensor_parallel.autotp_size {size} != the mesh's tp size {mesh.tp_size}")
     tp = TensorParallel(mesh.tp, size, mesh.tp_rank)
     pairs = _find_pairs(model)
-    _check_coverage(model, pairs)
+    from zeal.moe.tensor import moe_tensor_parallel  # MoE: experts split, routers whole (DeepSpeed-TED)
+
+    moe_pairs, replicated = moe_tensor_parallel(model, tp.comm, tp.rank, {id(p.module) for p in pairs})
+    pairs += moe_pairs
+    _check_coverage(model, pairs, replicated)
     split_of: dict[int, Split] = {}
     for pair in pairs:
         _split_pair(pair, tp, split_of)

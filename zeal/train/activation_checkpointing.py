@@ -31,7 +31,7 @@ def apply_activation_checkpointing(model: nn.Module,
     ``section`` None changes nothing (a zeal model's own ``checkpoint_activations``
     flag still applies, with one checkpoint per block). The model itself or, failing
     that, its outermost checkpointable submodules are the targets: a zeal model gets
-    ``every = ceil(n_layer / number_checkpoints)``, ``cpu_checkpointing`` and
+    ``every = ceil(n_layer / number_checkpoints)``, ``cpu_checkpointing``, ``communication_aware`` and
     ``profile``; a Hugging Face model checkpoints every layer, non-reentrant, with
     ``cpu_checkpointing`` where its transformers version can offload
     (``number_checkpoints`` and ``profile`` are zeal-only and logged as such).
@@ -60,7 +60,7 @@ def policy_from_section(section: ActivationCheckpointingConfig, n_blocks: int,
     """The enabled policy for a stack of ``n_blocks`` blocks."""
     return CheckpointPolicy(enabled=True, every=blocks_per_checkpoint(n_blocks, section.number_checkpoints),
                             cpu_checkpointing=section.cpu_checkpointing, profile=section.profile,
-                            use_reentrant=use_reentrant)
+                            use_reentrant=use_reentrant, comm_aware=section.communication_aware)
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -84,7 +84,7 @@ def _enable_hf(model: nn.Module, section: ActivationCheckpointingConfig) -> None
     from zeal.parallel.rng import checkpoint_context
 
     kwargs = {"use_reentrant": False, "context_fn": checkpoint_context}  # recompute replays the tp RNG streams
-    zeal_only = [k for k in ("profile",) if getattr(section, k)]
+    zeal_only = [k for k in ("profile", "communication_aware") if getattr(section, k)]
     if section.number_checkpoints is not None:
         zeal_only.append("number_checkpoints")
     if hasattr(model, "activation_checkpointing_enable"):

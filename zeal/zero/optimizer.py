@@ -58,6 +58,9 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
     # per-tensor fp32 norms (no full-size temporaries), summed in double
     if tp_norm is not None:
         sq = tp_norm.sq(grads)
+        if ep is not None and ep.active and experts is not None and not stage.norm_needs_reduce():
+            expert_sq = tp_norm.sq([g if e else g.new_empty(0) for g, e in zip(grads, experts)])
+            sq = sq - expert_sq + ep.all_reduce_scalar(expert_sq, "sum")  # stage 0: whole local experts
     else:
         sqs = [float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads]
         sq = sum(sqs)
