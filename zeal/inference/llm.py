@@ -41,11 +41,22 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 class WeightsOffload:
     """ZeRO-Inference: where the decoder layers live (``none``: resident; ``disk``: layer
     files read on every pass; ``cpu``: pinned host memory copied to an accelerator), the
-    resident-weights budget in GiB, and the folder of the layer files (None: the cache)."""
+    resident-weights budget in GiB, the folder of the layer files (None: the cache), and
+    the storage of the streamed 2-d weights (``quant``: ``none``, ``int8`` or ``int4``,
+    group-wise with bf16 scales; :mod:`zeal.inference.weight_quant`)."""
 
     kind: str = "none"
     max_resident_gb: float | None = None
     offload_dir: str | None = None
+    quant: str = "none"
+
+    def __post_init__(self) -> None:
+        from zeal.inference.weight_quant import check_quant
+
+        check_quant(self.quant)
+        if self.quant != "none" and self.kind == "none":
+            raise ValueError(f"weights_offload_quant {self.quant!r} needs weights_offload 'disk' or 'cpu' "
+                             "(it sets how the streamed layers are stored)")
 
 
 def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
@@ -62,7 +73,8 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
         if offload.max_resident_gb is None:
             raise ValueError(f"weights_offload {offload.kind!r} needs max_resident_weights_gb")
         model, cfg, streamer = load_streamed_model(p, dtype, device, offload.kind,
-                                                   int(offload.max_resident_gb * (1 << 30)), offload.offload_dir)
+                                                   int(offload.max_resident_gb * (1 << 30)), offload.offload_dir,
+                                                   offload.quant)
         model.weight_streamer = streamer
     else:
         model, cfg = load_hf_model(p, dtype)
@@ -93,7 +105,9 @@ class LLM:
     ``enable_prefix_caching``, ``kv_cache_bytes``) are keyword arguments.
     ``weights_offload`` (``"disk"``, or ``"cpu"`` on an accelerator) with
     ``max_resident_weights_gb`` serves a model larger than that budget by streaming its
-    decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`).
+    decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`);
+    ``weights_offload_quant`` (``"int8"`` or ``"int4"``) stores the streamed layers' 2-d
+    weights as group-wise codes with bf16 scales, reading about 2x / 4x fewer bytes a pass.
 
     ``tensor_parallel_size=T`` splits the model over ``T`` ranks
     (:mod:`zeal.inference.tensor_parallel`). In a plain process (a model folder or None)
@@ -108,8 +122,8 @@ class LLM:
                  *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  eos_token_ids: list[int] | None = None, weights_offload: str = "none",
                  max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
-                 tensor_parallel_size: int = 1, **engine_kwargs) -> None:
-        offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir)
+                 weights_offload_quant: str = "none", tensor_parallel_size: int = 1, **engine_kwargs) -> None:
+        offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir, weights_offload_quant)
         self.tp = None
         self.is_driver = True
         if tensor_parallel_size != 1:

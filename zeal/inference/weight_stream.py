@@ -15,6 +15,12 @@ Layer files are written once per (model folder, dtype) under the cache (or
 never in memory: ``layerNNNNN.bin`` (each tensor at a 64-byte aligned offset, as freshly
 allocated tensors are, so the arithmetic is bitwise that of resident serving) and
 ``index.json`` (names, shapes, offsets). No pickle anywhere.
+
+With ``quant`` ``int8`` or ``int4`` (:mod:`zeal.inference.weight_quant`) the layer
+files hold the 2-d weights as packed codes and bf16 scales, so each pass reads about a
+half or a quarter of the bytes; a read lands in one staging buffer of packed bytes and is
+dequantized from there into the slot (the slots hold the serving dtype, laid out as an
+unquantized layer file would be).
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from zeal.inference import weight_quant as wq
 from zeal.utils.paths import cache_dir
 
 ALIGN = 64
 OFFLOAD_KINDS = ("none", "cpu", "disk")
-_FORMAT = 1
+_FORMAT = 1  # 2: quantized layer files (an older reader refuses them rather than misreading them)
 
 
 def _aligned(n: int) -> int:
@@ -47,16 +54,38 @@ def _aligned(n: int) -> int:
 
 @dataclass
 class LayerFiles:
-    """The layer files of one model: per layer its file, size and tensors
-    (name within the layer → byte offset, shape); one dtype for all."""
+    """The layer files of one model: per layer its file, size and tensors (name within
+    the layer → ``[byte offset, shape]``, plus ``scale offset, group size`` for a tensor
+    stored as ``quant`` codes); one dtype for all."""
 
     root: Path
     dtype: torch.dtype
     layers: list[dict]
+    quant: str = "none"
+
+    @property
+    def bits(self) -> int:
+        return wq.check_quant(self.quant)
 
     @property
     def max_layer_bytes(self) -> int:
+        """The largest layer file (the bytes one read brings in)."""
         return max(layer["nbytes"] for layer in self.layers)
+
+    def slot_layout(self, i: int) -> tuple[dict[str, int], int]:
+        """Layer ``i`` in the serving dtype as laid out in a resident slot: name → byte
+        offset (64-byte aligned, names sorted, as in an unquantized file) and the total."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        offsets, off = {}, 0
+        for key in sorted(self.layers[i]["tensors"]):
+            off = _aligned(off)
+            offsets[key] = off
+            off += math.prod(self.layers[i]["tensors"][key][1]) * esize
+        return offsets, off
+
+    @property
+    def max_slot_bytes(self) -> int:
+        return max(self.slot_layout(i)[1] for i in range(len(self.layers)))
 
     def read_into(self, i: int, buf: torch.Tensor) -> int:
         """Read layer ``i``'s bytes into the front of the uint8 CPU tensor ``buf``."""
@@ -74,34 +103,48 @@ class LayerFiles:
     @staticmethod
     def open(root: Path) -> LayerFiles:
         index = json.loads((root / "index.json").read_text())
-        if index.get("format") != _FORMAT:
+        if index.get("format") not in (_FORMAT, _FORMAT + 1):
             raise ValueError(f"{root}/index.json: unknown layer-file format {index.get('format')!r}")
-        return LayerFiles(root, getattr(torch, index["dtype"]), index["layers"])
+        return LayerFiles(root, getattr(torch, index["dtype"]), index["layers"], index.get("quant", "none"))
 
 
-def _write_layer(root: Path, i: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict:
+def _write_layer(root: Path, i: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 quant: str = "none") -> dict:
     entries, offset = {}, 0
     name = f"layer{i:05d}.bin"
+    bits = wq.check_quant(quant)
     with open(root / name, "wb") as f:
-        for key in sorted(tensors):
-            t = tensors[key].to(dtype).contiguous()
-            data = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+        def put(data: bytes) -> int:  # at the next 64-byte aligned offset
+            nonlocal offset
             f.write(b"\0" * (_aligned(offset) - offset))
-            offset = _aligned(offset)
-            entries[key] = [offset, list(t.shape)]
+            at = offset = _aligned(offset)
             f.write(data)
             offset += len(data)
+            return at
+
+        for key in sorted(tensors):
+            t = tensors[key].to(dtype).contiguous()
+            if bits and wq.is_quantized(t):
+                codes, scales, group = wq.encode(t, bits)
+                at = put(codes)
+                entries[key] = [at, list(t.shape), put(scales), group]
+                continue
+            entries[key] = [put(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""),
+                            list(t.shape)]
     return {"file": name, "nbytes": offset, "tensors": entries}
 
 
-def _write_index(root: Path, dtype: torch.dtype, layers: list[dict]) -> None:
-    text = json.dumps({"format": _FORMAT, "dtype": str(dtype).removeprefix("torch."), "layers": layers})
+def _write_index(root: Path, dtype: torch.dtype, layers: list[dict], quant: str = "none") -> None:
+    text = json.dumps({"format": _FORMAT + (quant != "none"), "dtype": str(dtype).removeprefix("torch."), "quant": quant,
+                       "layers": layers})
     (root / "index.json").write_text(text)
 
 
-def folder_key(folder: Path, dtype: torch.dtype) -> str:
-    """What names a model's layer files: its folder, file sizes and times, and the dtype."""
-    parts = [str(folder.resolve()), str(dtype)]
+def folder_key(folder: Path, dtype: torch.dtype, quant: str = "none") -> str:
+    """What names a model's layer files: its folder, file sizes and times, the dtype and
+    the weight storage (``quant``)."""
+    parts = [str(folder.resolve()), str(dtype)] + ([quant] if quant != "none" else [])
     for p in sorted(folder.glob("*.safetensors")):
         st = p.stat()
         parts.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
@@ -109,12 +152,12 @@ def folder_key(folder: Path, dtype: torch.dtype) -> str:
 
 
 def build_layer_files(folder: Path, layer_of: dict[str, tuple[int, str]], convert, dtype: torch.dtype,
-                      root: Path) -> tuple[LayerFiles, dict[str, torch.Tensor]]:
+                      root: Path, quant: str = "none") -> tuple[LayerFiles, dict[str, torch.Tensor]]:
     """Read the folder's safetensors one tensor at a time: decoder-layer tensors go to layer
     files under ``root`` (written once; a layer is flushed as soon as it is complete), the
     others are returned (the resident part). ``convert(name, tensor)`` maps a checkpoint
     tensor to ``[(model name, tensor), ...]``; ``layer_of`` maps a model name to
-    ``(layer, name within the layer)``."""
+    ``(layer, name within the layer)``; ``quant``: the storage of the 2-d weights."""
     expected: dict[int, int] = defaultdict(int)
     for layer, _ in layer_of.values():
         expected[layer] += 1
@@ -138,23 +181,27 @@ def build_layer_files(folder: Path, layer_of: dict[str, tuple[int, str]], conver
                     layer, local = layer_of[name]
                     pending[layer][local] = t
                     if len(pending[layer]) == expected[layer]:
-                        layers[layer] = _write_layer(tmp, layer, pending.pop(layer), dtype)
+                        layers[layer] = _write_layer(tmp, layer, pending.pop(layer), dtype, quant)
     if not reuse:
         if pending or len(layers) != len(expected):
             missing = sorted(set(expected) - set(layers))
             shutil.rmtree(tmp, ignore_errors=True)
             raise ValueError(f"{folder}: decoder layers {missing} are incomplete in the checkpoint")
-        _write_index(tmp, dtype, [layers[i] for i in sorted(layers)])
+        _write_index(tmp, dtype, [layers[i] for i in sorted(layers)], quant)
         root.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.replace(tmp, root)
         except OSError:  # another process built the same files first
             shutil.rmtree(tmp, ignore_errors=True)
-    return LayerFiles.open(root), resident
+    files = LayerFiles.open(root)
+    if (files.dtype, files.quant) != (dtype, quant):
+        raise ValueError(f"offload_dir {root} holds {files.quant} layer files in {files.dtype}, not {quant} in "
+                         f"{dtype}: give another offload_dir")
+    return files, resident
 
 
-def default_offload_dir(folder: Path, dtype: torch.dtype) -> Path:
-    return cache_dir() / "weights-offload" / folder_key(folder, dtype)
+def default_offload_dir(folder: Path, dtype: torch.dtype, quant: str = "none") -> Path:
+    return cache_dir() / "weights-offload" / folder_key(folder, dtype, quant)
 
 
 @dataclass
@@ -183,10 +230,15 @@ class LayerStreamer:
         self.slots = min(slots, self.n)
         cuda = self.device.type == "cuda"
         size = files.max_layer_bytes
-        self.bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
+        self.bits = files.bits
+        self.bufs = [torch.empty(files.max_slot_bytes, dtype=torch.uint8, device=self.device)
+                     for _ in range(self.slots)]
         # CPU: read straight into the slot; CUDA: read (or copy) into pinned staging first.
-        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(self.slots)] if cuda \
-            else self.bufs
+        # Quantized files: into one buffer of packed bytes (reads never overlap), then
+        # dequantized into the slot.
+        self.packed = torch.empty(size, dtype=torch.uint8, device=self.device) if self.bits else None
+        targets = [self.packed] if self.bits else self.bufs
+        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in targets] if cuda else targets
         self.host = None
         if host_copies:  # the 'cpu' tier: every layer in pinned host memory
             self.host = []
@@ -194,6 +246,7 @@ class LayerStreamer:
                 t = torch.empty(files.layers[i]["nbytes"], dtype=torch.uint8, pin_memory=cuda)
                 files.read_into(i, t)
                 self.host.append(t)
+        self.layouts = [files.slot_layout(i)[0] for i in range(self.n)]
         self.params = [self._layer_params(i) for i in range(self.n)]
         self.empty = torch.empty(0, dtype=files.dtype, device=self.device)
         self.stats = StreamStats(slots=self.slots, layer_bytes=[layer["nbytes"] for layer in files.layers])
@@ -222,7 +275,8 @@ class LayerStreamer:
         missing = sorted(set(named) - set(entries))
         if missing:
             raise ValueError(f"layer file {i} lacks {', '.join(missing)}")
-        return [(named[k], off, shape) for k, (off, shape) in entries.items() if k in named]
+        offsets = self.layouts[i]
+        return [(named[k], offsets[k], entry[1]) for k, entry in entries.items() if k in named]
 
     def _next_slot(self) -> int:
         s = self.stream_slots[self.cursor]
@@ -231,6 +285,8 @@ class LayerStreamer:
 
     def _fill(self, i: int, slot: int) -> int:
         """Layer ``i``'s bytes into ``slot`` (runs on the reader thread)."""
+        if self.bits:
+            return self._fill_quantized(i, slot)
         stage = self.staging[slot]
         if self.host is not None:
             n = self.host[i].numel()
@@ -239,6 +295,37 @@ class LayerStreamer:
             n = self.files.read_into(i, stage)
         if stage is not self.bufs[slot]:
             self.bufs[slot][:n].copy_(stage[:n], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        self.stats.bytes_read += n
+        self.stats.reads += 1
+        return slot
+
+    def _fill_quantized(self, i: int, slot: int) -> int:
+        """Layer ``i``'s packed bytes into the packed buffer, dequantized into ``slot``."""
+        stage, packed = self.staging[0], self.packed
+        if self.host is not None:
+            n = self.host[i].numel()
+            packed[:n].copy_(self.host[i], non_blocking=True)
+        else:
+            n = self.files.read_into(i, stage)
+            if stage is not packed:
+                packed[:n].copy_(stage[:n], non_blocking=True)
+        buf, dtype = self.bufs[slot], self.files.dtype
+        esize = torch.empty((), dtype=dtype).element_size()
+        offsets = self.layouts[i]
+        for key, entry in self.files.layers[i]["tensors"].items():
+            off, shape = entry[0], entry[1]
+            nbytes = math.prod(shape) * esize
+            out = buf[offsets[key]: offsets[key] + nbytes]
+            if len(entry) == 2:  # stored in the serving dtype
+                out.copy_(packed[off: off + nbytes])
+                continue
+            rows, cols = shape
+            groups = cols // entry[3]
+            codes = packed[off: off + wq.code_bytes(rows * cols, self.bits)]
+            scales = packed[entry[2]: entry[2] + rows * groups * 2]
+            wq.decode_into(out.view(dtype).view(shape), codes, scales, self.bits)
+        if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.stats.bytes_read += n
         self.stats.reads += 1
@@ -300,9 +387,10 @@ class LayerStreamer:
 
 def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.device, offload: str,
                         max_resident_bytes: int, offload_dir: str | os.PathLike | None = None,
-                        ) -> tuple[nn.Module, dict, LayerStreamer]:
+                        quant: str = "none") -> tuple[nn.Module, dict, LayerStreamer]:
     """The model of the HF folder ``path`` with its decoder layers streamed (``offload``:
-    ``disk`` or ``cpu``) under ``max_resident_bytes`` of resident weights. Returns
+    ``disk`` or ``cpu``) under ``max_resident_bytes`` of resident weights, their 2-d
+    weights stored as ``quant`` (``none``, ``int8``, ``int4``). Returns
     ``(model, config_dict, streamer)``."""
     from zeal.models.hf import hf_skeleton
 
@@ -312,6 +400,7 @@ def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.devi
     if offload == "cpu" and device.type == "cpu":
         raise ValueError("weights_offload 'cpu' streams host memory to an accelerator; with device 'cpu' "
                          "use weights_offload 'disk'")
+    bits = wq.check_quant(quant)
     sk = hf_skeleton(path)
     if (sk.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
         raise ValueError("weights_offload: compressed-tensors folders are not streamed yet; serve them without it")
@@ -321,22 +410,25 @@ def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.devi
     layers = sk.model.layer_stack()
     prefix = next(n for n, m in sk.model.named_modules() if m is layers)
     layer_of = {f"{prefix}.{i}.{n}": (i, n) for i, layer in enumerate(layers) for n, _ in layer.named_parameters()}
-    root = Path(offload_dir) if offload_dir else default_offload_dir(Path(path), dtype)
-    files, resident = build_layer_files(Path(path), layer_of, sk.convert, dtype, root)
+    root = Path(offload_dir) if offload_dir else default_offload_dir(Path(path), dtype, quant)
+    files, resident = build_layer_files(Path(path), layer_of, sk.convert, dtype, root, quant)
     model = sk.finish(resident, frozenset(layer_of))
     for name in layer_of:
         owner, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(owner), attr, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))
     model.to(device)
-    fixed = _resident_bytes(model, layer_of)
-    slots = (max_resident_bytes - fixed) // files.max_layer_bytes
+    # resident: embeddings, norms, head + the slots (+ the packed read buffer when quantized)
+    fixed = _resident_bytes(model, layer_of) + (files.max_layer_bytes if bits else 0)
+    slot_bytes = files.max_slot_bytes
+    slots = (max_resident_bytes - fixed) // slot_bytes
     if slots < 1:
         gb = 1 << 30
         raise ValueError(f"max_resident_weights_gb {max_resident_bytes / gb:.4g} is below one pass's minimum "
-                         f"{(fixed + files.max_layer_bytes) / gb:.4g} GB ({fixed / gb:.4g} GB resident embeddings, "
-                         f"norms and head + {files.max_layer_bytes / gb:.4g} GB for one decoder layer)")
+                         f"{(fixed + slot_bytes) / gb:.4g} GB ({fixed / gb:.4g} GB resident embeddings, "
+                         f"norms and head{' and packed read buffer' if bits else ''} + {slot_bytes / gb:.4g} GB "
+                         "for one decoder layer)")
     streamer = LayerStreamer(layers, files, int(slots), device, host_copies=offload == "cpu")
-    streamer.stats.resident_bytes = fixed + streamer.slots * files.max_layer_bytes
+    streamer.stats.resident_bytes = fixed + streamer.slots * slot_bytes
     return model, sk.config, streamer
 
 
