@@ -104,6 +104,21 @@ def test_int4_codes_round_trip():
     assert q.min() >= -8 and q.max() <= 7 and math.isclose(float(q.abs().max()), 7)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_into_equals_quantize_dequantize(bits, dtype):
+    from zeal.inference.weight_quant import decode_into, encode, quantize_dequantize_weight
+
+    torch.manual_seed(2)
+    w = torch.randn(24, 80).to(dtype)
+    codes, scales, _ = encode(w, bits)
+    out = torch.empty_like(w)
+    decode_into(out, torch.frombuffer(bytearray(codes), dtype=torch.uint8),
+                torch.frombuffer(bytearray(scales), dtype=torch.uint8), bits, torch.empty(w.numel()))
+    assert torch.equal(out, quantize_dequantize_weight(w, bits))
+    assert not torch.equal(out, w)
+
+
 def test_bad_quant_values_are_refused(folder, tmp_path):
     with pytest.raises(ValueError, match="weights_offload_quant must be one of none, int8, int4, got 'int3'"):
         LLM(folder, weights_offload="disk", max_resident_weights_gb=1.0, weights_offload_quant="int3")

@@ -50,9 +50,15 @@ def quantize(w: torch.Tensor, bits: int, group_size: int | None = None,
     return q.to(torch.int8).reshape(w.shape), scale.to(scale_dtype)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q·scale`` (groups read from the scale's shape), in ``dtype``."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q·scale`` (groups read from the scale's shape), in ``dtype``; with ``out`` (a
+    contiguous tensor of ``q``'s shape), written into it in its dtype without temporaries
+    (the same values: the product is taken in fp32 and rounded once on the write)."""
     groups = scale.shape[1]
+    if out is not None:
+        grouped = out.view(q.shape[0], groups, q.shape[1] // groups)
+        return torch.mul(q.view(grouped.shape), scale.float().unsqueeze(-1), out=grouped).view(q.shape)
     g = q.float().reshape(q.shape[0], groups, q.shape[1] // groups)
     return (g * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
 

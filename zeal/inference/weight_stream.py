@@ -87,6 +87,12 @@ class LayerFiles:
     def max_slot_bytes(self) -> int:
         return max(self.slot_layout(i)[1] for i in range(len(self.layers)))
 
+    @property
+    def max_weight_numel(self) -> int:
+        """Elements of the largest tensor stored as codes (0 when none is)."""
+        return max((math.prod(e[1]) for layer in self.layers for e in layer["tensors"].values() if len(e) > 2),
+                   default=0)
+
     def read_into(self, i: int, buf: torch.Tensor) -> int:
         """Read layer ``i``'s bytes into the front of the uint8 CPU tensor ``buf``."""
         n = self.layers[i]["nbytes"]
@@ -237,6 +243,8 @@ class LayerStreamer:
         # Quantized files: into one buffer of packed bytes (reads never overlap), then
         # dequantized into the slot.
         self.packed = torch.empty(size, dtype=torch.uint8, device=self.device) if self.bits else None
+        self.scratch = torch.empty(files.max_weight_numel if self.bits and files.dtype != torch.float32 else 0,
+                                   device=self.device)  # fp32 products before their 16-bit cast
         targets = [self.packed] if self.bits else self.bufs
         self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in targets] if cuda else targets
         self.host = None
@@ -324,7 +332,7 @@ class LayerStreamer:
             groups = cols // entry[3]
             codes = packed[off: off + wq.code_bytes(rows * cols, self.bits)]
             scales = packed[entry[2]: entry[2] + rows * groups * 2]
-            wq.decode_into(out.view(dtype).view(shape), codes, scales, self.bits)
+            wq.decode_into(out.view(dtype).view(shape), codes, scales, self.bits, self.scratch)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.stats.bytes_read += n
@@ -417,8 +425,11 @@ def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.devi
         owner, attr = name.rsplit(".", 1)
         setattr(model.get_submodule(owner), attr, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))
     model.to(device)
-    # resident: embeddings, norms, head + the slots (+ the packed read buffer when quantized)
-    fixed = _resident_bytes(model, layer_of) + (files.max_layer_bytes if bits else 0)
+    # resident: embeddings, norms, head + the slots (+ the packed read buffer and, for a 16-bit
+    # dtype, the fp32 dequantization scratch when quantized)
+    fixed = _resident_bytes(model, layer_of)
+    if bits:
+        fixed += files.max_layer_bytes + (4 * files.max_weight_numel if dtype != torch.float32 else 0)
     slot_bytes = files.max_slot_bytes
     slots = (max_resident_bytes - fixed) // slot_bytes
     if slots < 1:
