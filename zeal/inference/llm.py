@@ -84,6 +84,17 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
     return model, Tokenizer.from_folder(p), eos_ids
 
 
+def _draft_instance(engine_kwargs: dict) -> nn.Module | None:
+    """``speculative_config={"method": "draft_model", "model": <nn.Module>}``: take the
+    instance out (the config names it instead) and return it; None otherwise."""
+    spec = engine_kwargs.get("speculative_config")
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), nn.Module):
+        return None
+    draft = spec["model"]
+    engine_kwargs["speculative_config"] = {**spec, "model": f"<{type(draft).__name__} instance>"}
+    return draft
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """A tokenizer from a folder (``tokenizer.json`` and, if present, ``tokenizer_config.json``)
     or a ``tokenizer.json`` file; raises FileNotFoundError when there is none."""
@@ -130,6 +141,7 @@ class LLM:
             self._init_tensor_parallel(model, tokenizer, dtype, device, eos_token_ids, weights_offload,
                                        tensor_parallel_size, engine_kwargs)
             return
+        draft = _draft_instance(engine_kwargs)
         if isinstance(model, nn.Module):
             if weights_offload != "none":
                 raise ValueError("weights_offload needs a model folder (its layers are streamed from files)")
@@ -139,7 +151,7 @@ class LLM:
             eos += list(eos_token_ids or [])
         if tokenizer is not None:  # the caller's tokenizer replaces the model folder's
             tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos)
+        self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos, draft_model=draft)
         self.tokenizer = tok
 
     def _init_tensor_parallel(self, model, tokenizer, dtype, device, eos_token_ids, weights_offload: str,
