@@ -75,16 +75,19 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 def decode_into(out: torch.Tensor, packed: torch.Tensor, scale_bytes: torch.Tensor, bits: int,
                 scratch: torch.Tensor | None = None) -> None:
     """Dequantize codes and bf16 scales (uint8 views) into the 2-d ``out`` (its dtype).
-    A 16-bit ``out`` goes through the fp32 ``scratch`` (at least ``out.numel()``
-    elements): torch's mixed-dtype multiply writing 16-bit is ~20x slower than fp32 plus
-    a cast, and rounds the same fp32 product once either way."""
-    rows = out.shape[0]
+    A 16-bit ``out`` goes through the fp32 ``scratch`` (at least one row), rows at a time:
+    torch's mixed-dtype multiply writing 16-bit is ~20x slower than fp32 plus a cast, and
+    both round the same fp32 product once."""
+    rows, cols = out.shape
     scale = scale_bytes.view(SCALE_DTYPE).view(rows, -1)
     q = unpack_codes(packed, bits, out.numel()).view(out.shape)
     if out.dtype == torch.float32 or scratch is None:
         dequantize(q, scale, out=out)
         return
-    out.copy_(dequantize(q, scale, out=scratch[: out.numel()].view(out.shape)))
+    step = max(1, scratch.numel() // cols)
+    for r in range(0, rows, step):
+        part = scratch[: min(step, rows - r) * cols].view(-1, cols)
+        out[r: r + step].copy_(dequantize(q[r: r + step], scale[r: r + step], out=part))
 
 
 def quantize_dequantize_weight(w: torch.Tensor, bits: int) -> torch.Tensor:

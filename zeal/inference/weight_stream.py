@@ -18,9 +18,11 @@ allocated tensors are, so the arithmetic is bitwise that of resident serving) an
 
 With ``quant`` ``int8`` or ``int4`` (:mod:`zeal.inference.weight_quant`) the layer
 files hold the 2-d weights as packed codes and bf16 scales, so each pass reads about a
-half or a quarter of the bytes; a read lands in one staging buffer of packed bytes and is
-dequantized from there into the slot (the slots hold the serving dtype, laid out as an
-unquantized layer file would be).
+half or a quarter of the bytes. Such a layer is read one tensor at a time (its codes and
+scales in one read) into a buffer the size of the largest tensor's packed bytes and
+dequantized from there into the slot, through a bounded fp32 scratch for a 16-bit dtype
+(the slots hold the serving dtype, laid out as an unquantized layer file would be), so
+the buffers beside the slots stay small.
 """
 
 from __future__ import annotations
@@ -87,11 +89,43 @@ class LayerFiles:
     def max_slot_bytes(self) -> int:
         return max(self.slot_layout(i)[1] for i in range(len(self.layers)))
 
+    def pieces(self, i: int) -> list[tuple[str, int, int]]:
+        """Layer ``i`` as its reads: ``(name, first byte, bytes)``, a tensor stored as codes
+        with its scales in one span."""
+        esize = torch.empty((), dtype=self.dtype).element_size()
+        out = []
+        for key, e in self.layers[i]["tensors"].items():
+            if len(e) == 2:
+                out.append((key, e[0], math.prod(e[1]) * esize))
+            else:
+                rows, cols = e[1]
+                out.append((key, e[0], e[2] + rows * (cols // e[3]) * 2 - e[0]))
+        return out
+
     @property
-    def max_weight_numel(self) -> int:
-        """Elements of the largest tensor stored as codes (0 when none is)."""
-        return max((math.prod(e[1]) for layer in self.layers for e in layer["tensors"].values() if len(e) > 2),
-                   default=0)
+    def max_piece_bytes(self) -> int:
+        return max(n for i in range(len(self.layers)) for _, _, n in self.pieces(i))
+
+    @property
+    def scratch_numel(self) -> int:
+        """fp32 elements of the dequantization scratch of a 16-bit dtype: 256 Ki, or the
+        longest row when longer, or the largest stored tensor when smaller (0 in fp32)."""
+        shapes = [e[1] for layer in self.layers for e in layer["tensors"].values() if len(e) > 2]
+        if not shapes or self.dtype == torch.float32:
+            return 0
+        return max(min(max(math.prod(s) for s in shapes), 1 << 18), max(s[1] for s in shapes))
+
+    def read_range(self, i: int, offset: int, n: int, buf: torch.Tensor) -> None:
+        """Bytes ``[offset, offset + n)`` of layer ``i``'s file into the front of the uint8 ``buf``."""
+        view = memoryview(buf.numpy()).cast("B")[:n]
+        with open(self.root / self.layers[i]["file"], "rb", buffering=0) as f:
+            f.seek(offset)
+            got = 0
+            while got < n:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise OSError(f"{self.root / self.layers[i]['file']}: truncated at byte {offset + got}")
+                got += k
 
     def read_into(self, i: int, buf: torch.Tensor) -> int:
         """Read layer ``i``'s bytes into the front of the uint8 CPU tensor ``buf``."""
@@ -242,11 +276,13 @@ class LayerStreamer:
         # CPU: read straight into the slot; CUDA: read (or copy) into pinned staging first.
         # Quantized files: into one buffer of packed bytes (reads never overlap), then
         # dequantized into the slot.
-        self.packed = torch.empty(size, dtype=torch.uint8, device=self.device) if self.bits else None
-        self.scratch = torch.empty(files.max_weight_numel if self.bits and files.dtype != torch.float32 else 0,
-                                   device=self.device)  # fp32 products before their 16-bit cast
+        piece = files.max_piece_bytes if self.bits else 0
+        self.packed = torch.empty(piece, dtype=torch.uint8, device=self.device) if self.bits else None
+        # fp32 products before their 16-bit cast
+        self.scratch = torch.empty(files.scratch_numel if self.bits else 0, device=self.device)
         targets = [self.packed] if self.bits else self.bufs
-        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in targets] if cuda else targets
+        self.staging = [torch.empty(piece if self.bits else size, dtype=torch.uint8, pin_memory=True)
+                        for _ in targets] if cuda else targets
         self.host = None
         if host_copies:  # the 'cpu' tier: every layer in pinned host memory
             self.host = []
@@ -308,34 +344,35 @@ class LayerStreamer:
         self.stats.reads += 1
         return slot
 
-    def _fill_quantized(self, i: int, slot: int) -> int:
-        """Layer ``i``'s packed bytes into the packed buffer, dequantized into ``slot``."""
+    def _piece(self, i: int, offset: int, n: int) -> torch.Tensor:
+        """Bytes ``[offset, offset + n)`` of layer ``i`` in the packed buffer (on the device)."""
         stage, packed = self.staging[0], self.packed
         if self.host is not None:
-            n = self.host[i].numel()
-            packed[:n].copy_(self.host[i], non_blocking=True)
+            packed[:n].copy_(self.host[i][offset: offset + n], non_blocking=True)
         else:
-            n = self.files.read_into(i, stage)
+            self.files.read_range(i, offset, n, stage)
             if stage is not packed:
                 packed[:n].copy_(stage[:n], non_blocking=True)
+        self.stats.bytes_read += n
+        return packed[:n]
+
+    def _fill_quantized(self, i: int, slot: int) -> int:
+        """Layer ``i`` tensor by tensor through the packed buffer, dequantized into ``slot``."""
         buf, dtype = self.bufs[slot], self.files.dtype
         esize = torch.empty((), dtype=dtype).element_size()
-        offsets = self.layouts[i]
-        for key, entry in self.files.layers[i]["tensors"].items():
-            off, shape = entry[0], entry[1]
-            nbytes = math.prod(shape) * esize
-            out = buf[offsets[key]: offsets[key] + nbytes]
+        entries = self.files.layers[i]["tensors"]
+        for key, off, n in self.files.pieces(i):
+            entry, dst = entries[key], self.layouts[i][key]
+            data = self._piece(i, off, n)
             if len(entry) == 2:  # stored in the serving dtype
-                out.copy_(packed[off: off + nbytes])
+                buf[dst: dst + n].copy_(data)
                 continue
-            rows, cols = shape
-            groups = cols // entry[3]
-            codes = packed[off: off + wq.code_bytes(rows * cols, self.bits)]
-            scales = packed[entry[2]: entry[2] + rows * groups * 2]
-            wq.decode_into(out.view(dtype).view(shape), codes, scales, self.bits, self.scratch)
+            (rows, cols), scale_at = entry[1], entry[2] - off
+            out = buf[dst: dst + rows * cols * esize].view(dtype).view(rows, cols)
+            scales = data[scale_at: scale_at + rows * (cols // entry[3]) * 2]
+            wq.decode_into(out, data[: wq.code_bytes(rows * cols, self.bits)], scales, self.bits, self.scratch)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.stats.bytes_read += n
         self.stats.reads += 1
         return slot
 
@@ -429,14 +466,14 @@ def load_streamed_model(path: Path, dtype: torch.dtype, device: str | torch.devi
     # dtype, the fp32 dequantization scratch when quantized)
     fixed = _resident_bytes(model, layer_of)
     if bits:
-        fixed += files.max_layer_bytes + (4 * files.max_weight_numel if dtype != torch.float32 else 0)
+        fixed += files.max_piece_bytes + 4 * files.scratch_numel
     slot_bytes = files.max_slot_bytes
     slots = (max_resident_bytes - fixed) // slot_bytes
     if slots < 1:
         gb = 1 << 30
         raise ValueError(f"max_resident_weights_gb {max_resident_bytes / gb:.4g} is below one pass's minimum "
                          f"{(fixed + slot_bytes) / gb:.4g} GB ({fixed / gb:.4g} GB resident embeddings, "
-                         f"norms and head{' and packed read buffer' if bits else ''} + {slot_bytes / gb:.4g} GB "
+                         f"norms and head{', packed read buffer and scratch' if bits else ''} + {slot_bytes / gb:.4g} GB "
                          "for one decoder layer)")
     streamer = LayerStreamer(layers, files, int(slots), device, host_copies=offload == "cpu")
     streamer.stats.resident_bytes = fixed + streamer.slots * slot_bytes
