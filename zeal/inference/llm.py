@@ -120,6 +120,11 @@ class LLM:
     ``weights_offload_quant`` (``"int8"`` or ``"int4"``) stores the streamed layers' 2-d
     weights as group-wise codes with bf16 scales, reading about 2x / 4x fewer bytes a pass.
 
+    ``speculative_config`` (vLLM's shape) turns on speculative decoding for greedy
+    requests: ``{"method": "ngram", ...}`` (prompt lookup) or ``{"method": "draft_model",
+    "model": PATH_OR_MODEL, "num_speculative_tokens": k}`` (a smaller model of the same
+    tokenizer, a folder or an instance; :mod:`zeal.inference.draft_model`).
+
     ``tensor_parallel_size=T`` splits the model over ``T`` ranks
     (:mod:`zeal.inference.tensor_parallel`). In a plain process (a model folder or None)
     this process becomes rank 0 and starts the others; :meth:`shutdown` (or exit) stops
