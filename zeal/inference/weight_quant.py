@@ -4,7 +4,8 @@ Every 2-d weight of a decoder layer (the linear projections) is stored as symmet
 group-wise codes with one bf16 scale per group of consecutive input weights, quantized by
 :func:`zeal.compression.quant.quantize` (the quantizer of the compression work); the
 other tensors (norms, biases) stay in the serving dtype. int4 codes are packed two to a
-byte (low nibble first). A layer's bytes on disk are then about a half (int8) or a
+byte: byte ``j`` holds code ``j`` (low nibble) and code ``j + h`` (high nibble), ``h`` =
+half the codes rounded up, so unpacking writes two contiguous halves. A layer's bytes on disk are then about a half (int8) or a
 quarter (int4) of its bf16 bytes, and so are the bytes read per pass; on arrival the codes
 are dequantized (``q · scale`` in fp32, then cast) into the layer's resident slot, so the
 model computes exactly as the resident model whose weights went through
@@ -59,8 +60,8 @@ def encode(w: torch.Tensor, bits: int) -> tuple[bytes, bytes, int]:
     if bits == 4:
         if flat.numel() % 2:
             flat = torch.cat([flat, flat.new_zeros(1)])
-        nib = (flat.to(torch.int16) & 0xF).view(-1, 2)
-        flat = (nib[:, 0] | (nib[:, 1] << 4)).to(torch.uint8)
+        nib = (flat.to(torch.int16) & 0xF).view(2, -1)
+        flat = (nib[0] | (nib[1] << 4)).to(torch.uint8)
     return flat.view(torch.uint8).numpy().tobytes(), scale.contiguous().view(torch.uint8).numpy().tobytes(), group
 
 
@@ -69,19 +70,38 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     if bits == 8:
         return packed[:numel].view(torch.int8)
     b = packed.view(torch.int8)  # arithmetic shifts sign-extend each nibble
-    return torch.stack([(b << 4) >> 4, b >> 4], dim=1).reshape(-1)[:numel]
+    return torch.cat([(b << 4) >> 4, b >> 4])[:numel]
+
+
+def _codes_into(flat: torch.Tensor, packed: torch.Tensor, bits: int) -> None:
+    """The codes of ``packed``, converted, into the 1-d ``flat`` (exact: |code| <= 128)."""
+    n = flat.numel()
+    if bits == 8:
+        flat.copy_(packed[:n].view(torch.int8))
+        return
+    b = packed.view(torch.int8)
+    h = b.numel()
+    flat[:h].copy_((b << 4) >> 4)
+    flat[h:].copy_((b >> 4)[: n - h])
 
 
 def decode_into(out: torch.Tensor, packed: torch.Tensor, scale_bytes: torch.Tensor, bits: int,
                 scratch: torch.Tensor | None = None) -> None:
-    """Dequantize codes and bf16 scales (uint8 views) into the 2-d ``out`` (its dtype).
-    A 16-bit ``out`` goes through the fp32 ``scratch`` (at least one row), rows at a time:
-    torch's mixed-dtype multiply writing 16-bit is ~20x slower than fp32 plus a cast, and
-    both round the same fp32 product once."""
+    """Dequantize codes and bf16 scales (uint8 views) into the 2-d ``out`` (its dtype):
+    the values of :func:`zeal.compression.quant.dequantize`, ``q · scale`` in fp32 rounded
+    once. In fp32 and bf16 the codes are converted into ``out`` and multiplied in place:
+    a code (8 significant bits at most) times a bf16 scale (8) is exact in fp32, so bf16's
+    multiply (fp32, rounded once) gives the same bits. Other dtypes go through the fp32
+    ``scratch`` (at least one row), rows at a time."""
     rows, cols = out.shape
     scale = scale_bytes.view(SCALE_DTYPE).view(rows, -1)
+    groups = scale.shape[1]
+    if out.dtype in (torch.float32, torch.bfloat16):
+        _codes_into(out.view(-1), packed, bits)
+        out.view(rows, groups, cols // groups).mul_(scale.to(out.dtype).unsqueeze(-1))
+        return
     q = unpack_codes(packed, bits, out.numel()).view(out.shape)
-    if out.dtype == torch.float32 or scratch is None:
+    if scratch is None:
         dequantize(q, scale, out=out)
         return
     step = max(1, scratch.numel() // cols)

@@ -20,9 +20,9 @@ With ``quant`` ``int8`` or ``int4`` (:mod:`zeal.inference.weight_quant`) the lay
 files hold the 2-d weights as packed codes and bf16 scales, so each pass reads about a
 half or a quarter of the bytes. Such a layer is read one tensor at a time (its codes and
 scales in one read) into a buffer the size of the largest tensor's packed bytes and
-dequantized from there into the slot, through a bounded fp32 scratch for a 16-bit dtype
-(the slots hold the serving dtype, laid out as an unquantized layer file would be), so
-the buffers beside the slots stay small.
+dequantized from there into the slot (in place for fp32 and bf16, through a bounded fp32
+scratch for fp16); the slots hold the serving dtype, laid out as an unquantized layer file
+would be. So the buffers beside the slots stay small.
 """
 
 from __future__ import annotations
@@ -108,10 +108,11 @@ class LayerFiles:
 
     @property
     def scratch_numel(self) -> int:
-        """fp32 elements of the dequantization scratch of a 16-bit dtype: 256 Ki, or the
-        longest row when longer, or the largest stored tensor when smaller (0 in fp32)."""
+        """fp32 elements of the dequantization scratch of a dtype other than fp32 and bf16
+        (see :func:`weight_quant.decode_into`): 256 Ki, or the longest row when longer, or
+        the largest stored tensor when smaller (0 in fp32 and bf16)."""
         shapes = [e[1] for layer in self.layers for e in layer["tensors"].values() if len(e) > 2]
-        if not shapes or self.dtype == torch.float32:
+        if not shapes or self.dtype in (torch.float32, torch.bfloat16):
             return 0
         return max(min(max(math.prod(s) for s in shapes), 1 << 18), max(s[1] for s in shapes))
 
