@@ -16,7 +16,8 @@ the plain greedy one.
 K}``. No smaller model of SmolLM2's tokenizer is available offline, so the draft is
 SmolLM2-135M's own first ``--draft-layers`` decoder layers with its embeddings, final norm
 and head (:func:`zeal.inference.draft_model.first_layers`): a cheap but weak draft (the
-head alone is ~a fifth of the model's weights), not a trained small sibling.
+head alone is ~a fifth of the model's weights), not a trained small sibling; with all 30 layers
+the target drafts for itself (acceptance 1.0: what the mechanism costs at best).
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def main() -> None:
     if args.method == "draft_model":
         from zeal.inference.draft_model import first_layers
 
-        spec = {"method": "draft_model", "num_speculative_tokens": args.k,
-                "model": first_layers(plain.engine.runner.model, args.draft_layers)}
+        target = plain.engine.runner.model  # --draft-layers 30 (all): the target drafts for itself
+        draft = target if args.draft_layers >= target.num_layers else first_layers(target, args.draft_layers)
+        spec = {"method": "draft_model", "num_speculative_tokens": args.k, "model": draft}
     fast = LLM(plain.engine.runner.model, plain.tokenizer, eos_token_ids=sorted(plain.engine.eos_token_ids),
                num_blocks=64, speculative_config=spec)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
