@@ -1,6 +1,8 @@
-"""Speculative decoding by prompt lookup: speed-up and acceptance on code and chat prompts.
+"""Speculative decoding (prompt lookup or a draft model): speed-up and acceptance on code and chat prompts.
 
     flock /tmp/zeal-heavy.lock python bench/inference/bench_speculative.py [--dtype bf16] [--tokens 128]
+    flock /tmp/zeal-heavy.lock python bench/inference/bench_speculative.py --method draft_model \
+        --draft-layers 4 --sets "code completion,chat"
 
 SmolLM2-135M-Instruct (the embedded model), greedy. Three prompt sets: code edits asked
 in chat ("add type hints to this function" — the answer copies the prompt's code), raw
@@ -9,6 +11,13 @@ drafts pay most) and all at once, with and without ``speculative_config={"method
 "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``;
 printed: tokens/s, the speed-up, the draft acceptance rate and whether every output equals
 the plain greedy one.
+
+``--method draft_model``: ``{"method": "draft_model", "model": DRAFT, "num_speculative_tokens":
+K}``. No smaller model of SmolLM2's tokenizer is available offline, so the draft is
+SmolLM2-135M's own first ``--draft-layers`` decoder layers with its embeddings, final norm
+and head (:func:`zeal.inference.draft_model.first_layers`): a cheap but weak draft (the
+head alone is ~a fifth of the model's weights), not a trained small sibling; with all 30 layers
+the target drafts for itself (acceptance 1.0: what the mechanism costs at best).
 """
 
 from __future__ import annotations
@@ -69,19 +78,32 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    ap.add_argument("--draft-layers", type=int, default=4, help="draft_model: the target's first N layers")
+    ap.add_argument("--sets", default=None, help="comma-separated prompt sets (default: all)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     plain = LLM(None, dtype=dtype, num_blocks=64)
+    if args.method == "draft_model":
+        from zeal.inference.draft_model import first_layers
+
+        target = plain.engine.runner.model  # --draft-layers 30 (all): the target drafts for itself
+        draft = target if args.draft_layers >= target.num_layers else first_layers(target, args.draft_layers)
+        spec = {"method": "draft_model", "num_speculative_tokens": args.k, "model": draft}
     fast = LLM(plain.engine.runner.model, plain.tokenizer, eos_token_ids=sorted(plain.engine.eos_token_ids),
                num_blocks=64, speculative_config=spec)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     rows = []
-    print(f"SmolLM2-135M-Instruct {args.dtype}, greedy, {args.tokens} new tokens, k={args.k}, "
+    draft = f", draft: its first {args.draft_layers} layers" if args.method == "draft_model" else ""
+    print(f"SmolLM2-135M-Instruct {args.dtype}, greedy, {args.tokens} new tokens, {args.method} k={args.k}{draft}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'prompt set':<20}{'mode':<12}{'plain tok/s':>12}{'spec tok/s':>12}{'speed-up':>10}"
           f"{'accepted':>10}{'identical':>11}{'plain vs plain 1-by-1':>23}")
+    wanted = args.sets.split(",") if args.sets else None
     for name, prompts in prompt_sets(plain.tokenizer).items():
+        if wanted is not None and name not in wanted:
+            continue
         single = None
         for one in (True, False):
             run(plain, prompts[:1], params, True)  # warm-up
@@ -100,7 +122,8 @@ def main() -> None:
                          "acceptance": acc, "identical": same, "plain_vs_plain_single": plain_same,
                          "prompts": len(ref)})
     if args.out:
-        Path(args.out).write_text(json.dumps({"dtype": args.dtype, "k": args.k, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"dtype": args.dtype, "k": args.k, "method": args.method,
+                                              "draft_layers": args.draft_layers, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,8 @@ def build(cfg: InferenceConfig | argparse.Namespace):
     srv = cfg.server
     name = srv.served_model_name or (Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct")
     tp = None
+    offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir,
+                             cfg.weights_offload_quant)
     if cfg.tensor_parallel_size > 1:
         from zeal.inference.tensor_parallel import load_split
 
@@ -158,7 +160,6 @@ def build(cfg: InferenceConfig | argparse.Namespace):
             tp.serve(model)
             return None, name
     else:
-        offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir)
         model, tok, eos = load_model_and_tokenizer(path, dtype, cfg.device, offload)
     try:
         engine = LLMEngine(model, tok, cfg.engine, eos, tp=tp)

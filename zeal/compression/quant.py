@@ -38,19 +38,27 @@ def _grouped(w: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return w.reshape(w.shape[0], w.shape[1] // g, g)
 
 
-def quantize(w: torch.Tensor, bits: int, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)``: int8 codes of ``w``'s shape and fp32 scales ``[out, groups]``."""
+def quantize(w: torch.Tensor, bits: int, group_size: int | None = None,
+             scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scale)``: int8 codes of ``w``'s shape and scales ``[out, groups]`` in
+    ``scale_dtype`` (the codes are rounded against the scale as stored, e.g. bf16)."""
     top = qmax(bits)
     g = _grouped(w.detach().float(), group_size)
-    scale = g.abs().amax(-1) / top
+    scale = (g.abs().amax(-1) / top).to(scale_dtype).float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group
     q = torch.clamp(torch.round(g / scale.unsqueeze(-1)), -top - 1, top)
-    return q.to(torch.int8).reshape(w.shape), scale
+    return q.to(torch.int8).reshape(w.shape), scale.to(scale_dtype)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q·scale`` (groups read from the scale's shape), in ``dtype``."""
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q·scale`` (groups read from the scale's shape), in ``dtype``; with ``out`` (a
+    contiguous tensor of ``q``'s shape), written into it in its dtype without temporaries
+    (the same values: the product is taken in fp32 and rounded once on the write)."""
     groups = scale.shape[1]
+    if out is not None:
+        grouped = out.view(q.shape[0], groups, q.shape[1] // groups)
+        return torch.mul(q.view(grouped.shape), scale.float().unsqueeze(-1), out=grouped).view(q.shape)
     g = q.float().reshape(q.shape[0], groups, q.shape[1] // groups)
     return (g * scale.float().unsqueeze(-1)).reshape(q.shape).to(dtype)
 

@@ -20,15 +20,25 @@ DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"
 
 class SpeculativeConfig(Section):
     """Speculative decoding (vLLM's ``speculative_config``): ``method="ngram"`` drafts the next
-    tokens by prompt lookup, and one forward pass verifies them; greedy requests only."""
+    tokens by prompt lookup, ``method="draft_model"`` by greedy decoding with a smaller
+    ``model`` of the same tokenizer; one forward pass verifies them; greedy requests only."""
 
-    method: Literal["ngram"] = Field("ngram", description="Drafts by prompt lookup (n-gram matching).")
+    method: Literal["ngram", "draft_model"] = Field(
+        "ngram", description="ngram: drafts by prompt lookup (n-gram matching); draft_model: drafts by the "
+        "greedy tokens of the draft 'model'.")
+    model: str | None = Field(
+        None, description="draft_model: the draft's HF folder or .gguf file (same tokenizer as the target; "
+        "loaded in the target's dtype and device).")
     num_speculative_tokens: int = Field(4, ge=1, le=64, description="Tokens drafted per step.")
     prompt_lookup_max: int = Field(4, ge=1, description="Longest suffix n-gram looked up in the context.")
     prompt_lookup_min: int = Field(1, ge=1, description="Shortest suffix n-gram looked up in the context.")
 
     @model_validator(mode="after")
     def _ngram_range(self) -> SpeculativeConfig:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's folder)")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -51,7 +61,8 @@ class EngineConfig(Section):
         True, description="Reuse the KV blocks of a prompt prefix computed before (chained block hashes).")
     speculative_config: SpeculativeConfig | None = Field(
         None, description='Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 1}; None = off.')
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": "PATH", '
+        '"num_speculative_tokens": 4}; None = off.')
 
     @field_validator("speculative_config", mode="before")
     @classmethod
@@ -113,6 +124,10 @@ class InferenceConfig(Section):
     max_resident_weights_gb: float | None = Field(
         None, gt=0, description="Resident weight budget in GiB with weights_offload (the embeddings, norms and "
         "head, plus as many decoder-layer slots as fit; two or more overlap reading with compute).")
+    weights_offload_quant: Literal["none", "int8", "int4"] = Field(
+        "none", description="With weights_offload: store the streamed layers' weight matrices as int8 or int4 "
+        "codes (symmetric, groups of 128 input weights, bf16 scales), dequantized on arrival; about 2x / 4x "
+        "fewer bytes read per pass; none = the serving dtype.")
     offload_dir: str | None = Field(
         None, description="Folder of the layer files with weights_offload (written once per model and dtype); "
         "None = under zeal's cache.")

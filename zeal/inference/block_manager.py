@@ -172,6 +172,16 @@ class BlockManager:
                 seq.block_table.append(self._take_fresh())
         return n
 
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Fresh blocks at the end of ``seq``'s table until it has slots for ``num_tokens``
+        tokens; False (and nothing taken) when too few blocks are free."""
+        need = blocks_for(num_tokens, self.block_size) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_fresh())
+        return True
+
     def trim(self, seq: Sequence) -> None:
         """Free the blocks past those ``seq``'s known tokens need (rejected drafts' KV)."""
         keep = blocks_for(seq.num_tokens, self.block_size)

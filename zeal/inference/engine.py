@@ -29,7 +29,7 @@ from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
-from zeal.inference.speculative import accept, draft_for
+from zeal.inference.speculative import accept, draft_for, num_drafts
 from zeal.inference.structured import GrammarCompiler, mask_rows
 from zeal.inference.tokenizer import Tokenizer
 
@@ -51,9 +51,11 @@ class LLMEngine:
     """Continuous-batching engine over one model (scheduler + block manager + runner + sampler)."""
 
     def __init__(self, model: nn.Module, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
-                 eos_token_ids: list[int] | None = None, tp=None) -> None:
+                 eos_token_ids: list[int] | None = None, tp=None, draft_model: nn.Module | None = None) -> None:
         """``tp``: rank 0's :class:`zeal.inference.tensor_parallel.TensorParallelGroup` when
-        ``model`` is split over tensor-parallel ranks (None: one process)."""
+        ``model`` is split over tensor-parallel ranks (None: one process). ``draft_model``:
+        the draft of ``speculative_config`` method ``draft_model`` as an instance (None:
+        loaded from the config's ``model``)."""
         self.config = cfg = config or EngineConfig()
         self.tp = tp
         self.tokenizer = tokenizer
@@ -71,6 +73,13 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or smodel.max_positions, smodel.max_positions)
         self.max_seq_tokens = min(self.max_model_len, num_blocks * bs)
         self.vocab_size = smodel.config.vocab_size
+        self.drafter = None  # speculative_config method 'draft_model': zeal.inference.draft_model
+        spec = cfg.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            from zeal.inference.draft_model import DraftModelProposer
+
+            self.drafter = DraftModelProposer.build(spec, draft_model, self.runner, num_blocks * bs,
+                                                    cfg.max_num_seqs, self.vocab_size)
         eos = list(eos_token_ids or [])
         if tokenizer is not None:
             eos += [e for e in tokenizer.eos_token_ids if e not in eos]
@@ -346,8 +355,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------ speculative decoding
     def _propose_drafts(self) -> None:
-        """n-gram drafts for the running greedy sequences about to decode (see :mod:`.speculative`)."""
+        """Drafts for the running greedy sequences about to decode: n-gram (see
+        :mod:`.speculative`) or the draft model's (:mod:`.draft_model`)."""
         cfg = self.config.speculative_config
+        if self.drafter is not None:
+            running = self.scheduler.running
+            wants = [(s, num_drafts(s, cfg, self.max_seq_tokens)) for s in running if s.is_decoding]
+            try:
+                self.drafter.propose(wants, running)
+            except Exception as e:  # noqa: BLE001 - drafts are optional: decode without them
+                log.warning("the draft model failed (%s: %s): this step decodes without drafts", type(e).__name__, e)
+                for s, _ in wants:
+                    s.draft_ids = []
+                    self.drafter.release(s.seq_id)
+            return
         for seq in self.scheduler.running:
             if seq.is_decoding:
                 seq.draft_ids = draft_for(seq, cfg, self.max_seq_tokens)

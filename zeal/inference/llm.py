@@ -41,11 +41,22 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 class WeightsOffload:
     """ZeRO-Inference: where the decoder layers live (``none``: resident; ``disk``: layer
     files read on every pass; ``cpu``: pinned host memory copied to an accelerator), the
-    resident-weights budget in GiB, and the folder of the layer files (None: the cache)."""
+    resident-weights budget in GiB, the folder of the layer files (None: the cache), and
+    the storage of the streamed 2-d weights (``quant``: ``none``, ``int8`` or ``int4``,
+    group-wise with bf16 scales; :mod:`zeal.inference.weight_quant`)."""
 
     kind: str = "none"
     max_resident_gb: float | None = None
     offload_dir: str | None = None
+    quant: str = "none"
+
+    def __post_init__(self) -> None:
+        from zeal.inference.weight_quant import check_quant
+
+        check_quant(self.quant)
+        if self.quant != "none" and self.kind == "none":
+            raise ValueError(f"weights_offload_quant {self.quant!r} needs weights_offload 'disk' or 'cpu' "
+                             "(it sets how the streamed layers are stored)")
 
 
 def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
@@ -62,7 +73,8 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
         if offload.max_resident_gb is None:
             raise ValueError(f"weights_offload {offload.kind!r} needs max_resident_weights_gb")
         model, cfg, streamer = load_streamed_model(p, dtype, device, offload.kind,
-                                                   int(offload.max_resident_gb * (1 << 30)), offload.offload_dir)
+                                                   int(offload.max_resident_gb * (1 << 30)), offload.offload_dir,
+                                                   offload.quant)
         model.weight_streamer = streamer
     else:
         model, cfg = load_hf_model(p, dtype)
@@ -70,6 +82,17 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
     eos = cfg.get("eos_token_id")
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     return model, Tokenizer.from_folder(p), eos_ids
+
+
+def _draft_instance(engine_kwargs: dict) -> nn.Module | None:
+    """``speculative_config={"method": "draft_model", "model": <nn.Module>}``: take the
+    instance out (the config names it instead) and return it; None otherwise."""
+    spec = engine_kwargs.get("speculative_config")
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), nn.Module):
+        return None
+    draft = spec["model"]
+    engine_kwargs["speculative_config"] = {**spec, "model": f"<{type(draft).__name__} instance>"}
+    return draft
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -93,7 +116,14 @@ class LLM:
     ``enable_prefix_caching``, ``kv_cache_bytes``) are keyword arguments.
     ``weights_offload`` (``"disk"``, or ``"cpu"`` on an accelerator) with
     ``max_resident_weights_gb`` serves a model larger than that budget by streaming its
-    decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`).
+    decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`);
+    ``weights_offload_quant`` (``"int8"`` or ``"int4"``) stores the streamed layers' 2-d
+    weights as group-wise codes with bf16 scales, reading about 2x / 4x fewer bytes a pass.
+
+    ``speculative_config`` (vLLM's shape) turns on speculative decoding for greedy
+    requests: ``{"method": "ngram", ...}`` (prompt lookup) or ``{"method": "draft_model",
+    "model": PATH_OR_MODEL, "num_speculative_tokens": k}`` (a smaller model of the same
+    tokenizer, a folder or an instance; :mod:`zeal.inference.draft_model`).
 
     ``tensor_parallel_size=T`` splits the model over ``T`` ranks
     (:mod:`zeal.inference.tensor_parallel`). In a plain process (a model folder or None)
@@ -108,14 +138,15 @@ class LLM:
                  *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  eos_token_ids: list[int] | None = None, weights_offload: str = "none",
                  max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
-                 tensor_parallel_size: int = 1, **engine_kwargs) -> None:
-        offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir)
+                 weights_offload_quant: str = "none", tensor_parallel_size: int = 1, **engine_kwargs) -> None:
+        offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir, weights_offload_quant)
         self.tp = None
         self.is_driver = True
         if tensor_parallel_size != 1:
             self._init_tensor_parallel(model, tokenizer, dtype, device, eos_token_ids, weights_offload,
                                        tensor_parallel_size, engine_kwargs)
             return
+        draft = _draft_instance(engine_kwargs)
         if isinstance(model, nn.Module):
             if weights_offload != "none":
                 raise ValueError("weights_offload needs a model folder (its layers are streamed from files)")
@@ -125,7 +156,7 @@ class LLM:
             eos += list(eos_token_ids or [])
         if tokenizer is not None:  # the caller's tokenizer replaces the model folder's
             tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos)
+        self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos, draft_model=draft)
         self.tokenizer = tok
 
     def _init_tensor_parallel(self, model, tokenizer, dtype, device, eos_token_ids, weights_offload: str,

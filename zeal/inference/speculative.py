@@ -1,4 +1,5 @@
-"""Speculative decoding by prompt lookup (n-gram drafts), verified in one forward pass.
+"""Speculative decoding by prompt lookup (n-gram drafts), verified in one forward pass
+(drafts from a draft model: :mod:`zeal.inference.draft_model`, verified the same way).
 
 Each step, a greedy decoding sequence looks for the latest earlier occurrence of its
 last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to ``prompt_lookup_min``) and
@@ -38,14 +39,19 @@ def speculates(seq: Sequence) -> bool:
     return p.greedy and not p.needs_penalties and p.logprobs is None and p.n == 1 and p.structured_outputs is None
 
 
-def draft_for(seq: Sequence, cfg: SpeculativeConfig, max_seq_tokens: int) -> list[int]:
-    """The drafts of a decoding ``seq`` this step, capped so that the step cannot run past
-    ``max_tokens`` or the longest sequence (the verified tokens come on top of the drafts)."""
+def num_drafts(seq: Sequence, cfg: SpeculativeConfig, max_seq_tokens: int) -> int:
+    """How many tokens a decoding ``seq`` may draft this step: capped so that the step
+    cannot run past ``max_tokens`` or the longest sequence (the verified tokens come on
+    top of the drafts); 0 when it does not speculate."""
     room = min(seq.params.max_tokens - len(seq.output_ids), max_seq_tokens - seq.num_tokens) - 1
     k = min(cfg.num_speculative_tokens, room)
-    if k <= 0 or not speculates(seq):
-        return []
-    return propose_ngram(seq.tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    return k if k > 0 and speculates(seq) else 0
+
+
+def draft_for(seq: Sequence, cfg: SpeculativeConfig, max_seq_tokens: int) -> list[int]:
+    """The n-gram drafts of a decoding ``seq`` this step (at most :func:`num_drafts`)."""
+    k = num_drafts(seq, cfg, max_seq_tokens)
+    return propose_ngram(seq.tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min) if k else []
 
 
 def accept(drafts: list[int], targets: list[int]) -> list[int]:
