@@ -81,3 +81,19 @@ def test_served_module_still_trains_through_f_linear():
     reference(ids, labels=ids).backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is not None and torch.equal(p.grad, q.grad), name
+
+
+def test_linear_subclasses_with_their_own_forward_are_left_alone():
+    class Scaled(nn.Linear):  # e.g. fake quantization: a forward of its own
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Scaled(8, 8), nn.Linear(8, 8))
+    packed = PackedLinears(model)
+    assert packed.linears == [model[1]]
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        want = model(x)
+        with packed.active():
+            torch.testing.assert_close(model(x), want)

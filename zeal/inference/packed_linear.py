@@ -55,13 +55,14 @@ def packed_linears_for(model: nn.Module, device: torch.device, dtype: torch.dtyp
 
 
 class PackedLinears:
-    """The ``nn.Linear`` layers of ``model`` (those whose ``forward`` is the class's own:
-    tensor parallelism's row-parallel layers keep theirs) with their reordered weights."""
+    """The plain ``nn.Linear`` layers of ``model`` with their reordered weights: a subclass
+    with its own ``forward`` (fake quantization, LoRA) or a layer whose ``forward`` was
+    replaced (tensor parallelism's row-parallel layers) keeps its own."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        self.linears = [m for m in model.modules()
-                        if isinstance(m, nn.Linear) and "forward" not in m.__dict__ and m.weight.dtype == dtype]
+        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                        and "forward" not in m.__dict__ and m.weight.dtype == dtype]
         self._forwards = {m: self._forward_of(m) for m in self.linears}
         self._cache: dict[nn.Linear, tuple[tuple[int, int], torch.Tensor]] = {}
 

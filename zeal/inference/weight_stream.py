@@ -131,14 +131,7 @@ class LayerFiles:
     def read_into(self, i: int, buf: torch.Tensor) -> int:
         """Read layer ``i``'s bytes into the front of the uint8 CPU tensor ``buf``."""
         n = self.layers[i]["nbytes"]
-        view = memoryview(buf.numpy()).cast("B")[:n]
-        with open(self.root / self.layers[i]["file"], "rb", buffering=0) as f:
-            got = 0
-            while got < n:
-                k = f.readinto(view[got:])
-                if not k:
-                    raise OSError(f"{self.root / self.layers[i]['file']}: truncated ({got} of {n} bytes)")
-                got += k
+        self.read_range(i, 0, n, buf)
         return n
 
     @staticmethod

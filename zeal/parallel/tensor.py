@@ -52,39 +52,39 @@ class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the input gradient over tp in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: D102
-        ctx.comm = comm
+    def forward(ctx, x: torch.Tensor, comm: Comm, kind: str) -> torch.Tensor:  # noqa: D102
+        ctx.comm, ctx.kind = comm, kind
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
         g = g.contiguous().clone()
-        ctx.comm.all_reduce(g, ACTIVATION)
-        return g, None
+        ctx.comm.all_reduce(g, ctx.kind)
+        return g, None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """All-reduce over tp forward (partial sums of a row-parallel product); identity backward."""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: D102
+    def forward(ctx, y: torch.Tensor, comm: Comm, kind: str) -> torch.Tensor:  # noqa: D102
         y = y.contiguous()
-        comm.all_reduce(y, ACTIVATION)
+        comm.all_reduce(y, kind)
         return y
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return g, None
+        return g, None, None
 
 
-def copy_to_tp(x: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``x`` unchanged; in backward its gradient is summed over the tp group."""
-    return _CopyToTP.apply(x, comm) if comm.active else x
+def copy_to_tp(x: torch.Tensor, comm: Comm, kind: str = ACTIVATION) -> torch.Tensor:
+    """``x`` unchanged; in backward its gradient is summed over the tp group (Comm kind ``kind``)."""
+    return _CopyToTP.apply(x, comm, kind) if comm.active else x
 
 
-def reduce_from_tp(y: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """``y`` summed over the tp group (gradient passes through unchanged)."""
-    return _ReduceFromTP.apply(y, comm) if comm.active else y
+def reduce_from_tp(y: torch.Tensor, comm: Comm, kind: str = ACTIVATION) -> torch.Tensor:
+    """``y`` summed over the tp group (Comm kind ``kind``; gradient passes through unchanged)."""
+    return _ReduceFromTP.apply(y, comm, kind) if comm.active else y
 
 
 # -- what a split parameter is --------------------------------------------------------------

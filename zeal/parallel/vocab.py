@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeal.dist.comm import Comm
-from zeal.parallel.tensor import Split, TensorParallel
+from zeal.parallel.tensor import Split, TensorParallel, copy_to_tp, reduce_from_tp
 
 __all__ = ["VOCAB", "VocabParallel", "apply_vocab_parallel", "gather_vocab", "vocab_parallel_causal_lm_loss",
            "vocab_parallel_cross_entropy"]
@@ -50,35 +50,6 @@ VOCAB = "vocab"  # the Comm kind of vocabulary-parallel traffic
 
 
 # -- collectives ------------------------------------------------------------------------------
-class _Enter(torch.autograd.Function):
-    """Identity forward; the input gradient is summed over tp in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: D102
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        g = g.contiguous().clone()
-        ctx.comm.all_reduce(g, VOCAB)
-        return g, None
-
-
-class _Sum(torch.autograd.Function):
-    """Sum over tp forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, comm: Comm) -> torch.Tensor:  # noqa: D102
-        y = y.contiguous()
-        comm.all_reduce(y, VOCAB)
-        return y
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return g, None
-
-
 class _Gather(torch.autograd.Function):
     """Local logits (..., V/T) → whole logits (..., V) in rank order; backward keeps the slice."""
 
@@ -201,7 +172,7 @@ def _embedding_forward(mod: nn.Embedding, vp: VocabParallel, pad: int | None, id
     outside = (local < 0) | (local >= vp.per_rank)
     y = F.embedding(local.masked_fill(outside, 0), mod.weight, pad)
     y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-    return _Sum.apply(y, vp.comm) if vp.comm.active else y
+    return reduce_from_tp(y, vp.comm, VOCAB)
 
 
 def _head_forward(mod: nn.Linear, vp: VocabParallel, x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +182,7 @@ def _head_forward(mod: nn.Linear, vp: VocabParallel, x: torch.Tensor) -> torch.T
 
 def vocab_local_logits(mod: nn.Linear, vp: VocabParallel, x: torch.Tensor) -> torch.Tensor:
     """This rank's logits slice (..., V/T) of a vocabulary-parallel head ``mod``."""
-    x = _Enter.apply(x, vp.comm) if vp.comm.active else x
+    x = copy_to_tp(x, vp.comm, VOCAB)
     return F.linear(x, mod.weight, mod.bias)
 
 
