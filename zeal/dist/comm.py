@@ -11,7 +11,9 @@ Counting convention (stated once, used by every test and report):
 * Each Comm has a ``name``: the mesh dimension it spans ("world", "dp", "tp", "pp",
   "ep", "edp", or a ZeRO++ node dimension); reports also sum by dimension.
 * Each call carries a ``kind``: "param" (parameter gathers), "grad" (gradient
-  reductions) or "control" (norms, overflow flags, scalars); the textbook
+  reductions), "control" (norms, overflow flags, scalars), "activation"
+  (tensor-parallel split pairs), "vocab" (the vocabulary-parallel embedding, head
+  and cross-entropy) or "moe" (expert-parallel all-to-alls); the textbook ZeRO
   volumes concern param + grad.
 At world size 1 nothing is sent and nothing is counted.
 """
