@@ -69,8 +69,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """int8 codes from the uint8 ``packed`` bytes (two per byte for int4)."""
     if bits == 8:
         return packed[:numel].view(torch.int8)
-    b = packed.view(torch.int8)  # arithmetic shifts sign-extend each nibble
-    return torch.cat([(b << 4) >> 4, b >> 4])[:numel]
+    codes = torch.empty(numel, dtype=torch.int8)
+    _codes_into(codes, packed, bits)
+    return codes
 
 
 def _codes_into(flat: torch.Tensor, packed: torch.Tensor, bits: int) -> None:
@@ -79,7 +80,7 @@ def _codes_into(flat: torch.Tensor, packed: torch.Tensor, bits: int) -> None:
     if bits == 8:
         flat.copy_(packed[:n].view(torch.int8))
         return
-    b = packed.view(torch.int8)
+    b = packed.view(torch.int8)  # arithmetic shifts sign-extend each nibble
     h = b.numel()
     flat[:h].copy_((b << 4) >> 4)
     flat[h:].copy_((b >> 4)[: n - h])
