@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeal.dist.comm import Comm
-from zeal.parallel.tensor import Split, TensorParallel, copy_to_tp, reduce_from_tp
+from zeal.parallel.tensor import Split, TensorParallel, copy_to_tp, gather_from_tp, reduce_from_tp
 
 __all__ = ["VOCAB", "VocabParallel", "apply_vocab_parallel", "gather_vocab", "vocab_parallel_causal_lm_loss",
            "vocab_parallel_cross_entropy"]
@@ -50,23 +50,6 @@ VOCAB = "vocab"  # the Comm kind of vocabulary-parallel traffic
 
 
 # -- collectives ------------------------------------------------------------------------------
-class _Gather(torch.autograd.Function):
-    """Local logits (..., V/T) → whole logits (..., V) in rank order; backward keeps the slice."""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, comm: Comm, rank: int) -> torch.Tensor:  # noqa: D102
-        ctx.rank, ctx.n = rank, local.size(-1)
-        local = local.contiguous()
-        every = torch.empty(comm.size * local.numel(), dtype=local.dtype, device=local.device)
-        comm.all_gather(every, local.view(-1), VOCAB)
-        parts = every.view(comm.size, *local.shape)
-        return torch.cat(list(parts.unbind(0)), dim=-1)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return g.narrow(-1, ctx.rank * ctx.n, ctx.n).contiguous(), None, None
-
-
 class _VocabCE(torch.autograd.Function):
     """Per-row cross-entropy from this rank's logits slice (N, V/T) and global targets (N,)."""
 
@@ -142,7 +125,7 @@ class VocabParallel:
 
 def gather_vocab(local: torch.Tensor, vp: VocabParallel) -> torch.Tensor:
     """Whole logits (..., V) from every rank's slice (..., V/T) (differentiable)."""
-    return _Gather.apply(local, vp.comm, vp.rank)
+    return gather_from_tp(local, vp.comm, vp.rank, -1, VOCAB)
 
 
 def vocab_parallel_causal_lm_loss(vp: VocabParallel, logits: torch.Tensor, labels: torch.Tensor,
