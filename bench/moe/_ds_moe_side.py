@@ -1,0 +1,81 @@
+"""DeepSpeed's side of ``bench_moe_peer.py``: run in DeepSpeed's own environment
+(``DS_ACCELERATOR=cpu``), it trains ``_moe_gpt.MoEGPT`` with ``deepspeed.moe.layer.MoE``
+on ``--world`` gloo ranks and writes the step times and bytes to ``--out`` (JSON).
+
+    DS_ACCELERATOR=cpu /path/to/ds/python bench/moe/_ds_moe_side.py --world 2 --ep 2 --steps 6 --out f.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rank(rank: int, a, port: int, q) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(a.world), "LOCAL_RANK": str(rank), "LOCAL_SIZE": str(a.world),
+                       "LOCAL_WORLD_SIZE": str(a.world), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    import torch
+
+    torch.set_num_threads(1)
+    import deepspeed
+    from _moe_gpt import MoEGPT, batch, install_byte_counter
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = MoEGPT(MoE, a.ep, a.capacity_factor)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": [p for p in model.parameters()], "name": "parameters"})
+    cfg = {"train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+           "zero_optimization": {"stage": a.stage}, "steps_per_print": 10 ** 9}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    counts = install_byte_counter()
+    times, per_step = [], []
+    for step in range(a.steps):
+        before = sum(counts.values())
+        t0 = time.perf_counter()
+        loss = engine(batch(rank, a.micro, step))
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        per_step.append(sum(counts.values()) - before)
+    q.put({"rank": rank, "times": times, "bytes": per_step, "by_op": dict(counts), "loss": float(loss)})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--ep", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--stage", type=int, default=1)
+    ap.add_argument("--capacity-factor", type=float, default=1.0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, a, port, q)) for r in range(a.world)]
+    for p in procs:
+        p.start()
+    res = sorted((q.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join(timeout=60)
+    with open(a.out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
