@@ -290,6 +290,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    ap.add_argument("--no-engine-process", action="store_true",
+                    help="the engine as a thread of the server's process (default: its own process)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     conc = args.calib_concurrency or args.max_num_seqs + args.max_waiting // 2
@@ -304,7 +306,8 @@ def main() -> int:
             vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         t = time.perf_counter()
         srv = start_server(model, max_waiting=args.max_waiting, threads=args.threads, log_dir=Path(tmp),
-                           extra=["--max-num-seqs", str(args.max_num_seqs)])
+                           extra=["--max-num-seqs", str(args.max_num_seqs),
+                                  *(["--no-engine-process"] if args.no_engine_process else [])])
         print(f"server up at {srv.base} (pid {srv.proc.pid}) in {time.perf_counter() - t:.1f} s", flush=True)
         try:
             kw = dict(vocab=vocab, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
@@ -326,7 +329,8 @@ def main() -> int:
     print(f"\nsaturation {sat['req_per_s']:.2f} req/s ({conc} closed-loop clients, {args.calib_seconds:.0f} s); "
           f"offered {rate:.2f} req/s ({args.load:g}x) for {ov['send_seconds']:.0f} s: sent {ov['sent']}, "
           f"accepted {ov['accepted']}, completed {ov['completed']}, rejected (429) {ov['rejected_429']}, "
-          f"lost {ov['lost']}; completed/s while sending {ov['completed_per_s_while_sending']:.2f}; queue max {ov['queue_max_polled']} polled / {ov['queue_peak_server']} server peak "
+          f"lost {ov['lost']}; completed/s while sending {ov['completed_per_s_while_sending']:.2f} "
+          f"({ov['completed_per_s_while_sending'] / sat['req_per_s']:.2f}x saturation); queue max {ov['queue_max_polled']} polled / {ov['queue_peak_server']} server peak "
           f"(limit {args.max_waiting}); latency p50 {ov['latency_p50_s']:.2f} s p99 {ov['latency_p99_s']:.2f} s; "
           f"429 in p50 {ov['reject_latency_p50_ms']:.0f} ms  -> {'PASS' if ok else 'FAIL'}")
     if args.json:

@@ -27,6 +27,7 @@ _FLAG_NAMES: dict[str, tuple[str, int]] = {
     "engine.enable_prefix_caching": ("--no-prefix-caching", 1),
     "process.num_threads": ("--threads", 1),
     "process.transparent_hugepages": ("--no-transparent-hugepages", 1),
+    "server.engine_process": ("--no-engine-process", 1),
 }
 _UNITS = {1 << 20: "MB"}
 
@@ -128,46 +129,72 @@ def _exit_on_rank_death(message: str) -> None:
     os._exit(1)
 
 
-def build(cfg: InferenceConfig | argparse.Namespace):
-    """Load the model and return ``(app, model_name)``; under tensor parallelism, on ranks
-    1..T-1 of a launched job, serve rank 0's passes until it stops and return ``(None, name)``."""
-    from pathlib import Path
-
+def load_engine(cfg: InferenceConfig):
+    """The :class:`LLMEngine` of one process (no tensor parallelism) as ``cfg`` describes it."""
     import torch
 
-    from zeal.inference.async_engine import AsyncEngine
     from zeal.inference.engine import LLMEngine
     from zeal.inference.llm import WeightsOffload, load_model_and_tokenizer, resolve_model_path
+
+    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
+    offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir,
+                             cfg.weights_offload_quant)
+    model, tok, eos = load_model_and_tokenizer(resolve_model_path(cfg.model), dtype, cfg.device, offload)
+    return LLMEngine(model, tok, cfg.engine, eos)
+
+
+def build(cfg: InferenceConfig | argparse.Namespace):
+    """Load the model and return ``(app, model_name)``; under tensor parallelism, on ranks
+    1..T-1 of a launched job, serve rank 0's passes until it stops and return ``(None, name)``.
+    With ``server.engine_process`` (and no tensor parallelism) the model is loaded in the
+    engine's own process."""
+    from pathlib import Path
+
+    from zeal.inference.async_engine import AsyncEngine
+    from zeal.inference.llm import resolve_model_path
     from zeal.inference.server import build_app
 
     if isinstance(cfg, argparse.Namespace):
         cfg = config_from_args(cfg)
     path = resolve_model_path(cfg.model)
-    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
     srv = cfg.server
     name = srv.served_model_name or (Path(cfg.model).name if cfg.model else "SmolLM2-135M-Instruct")
-    tp = None
-    offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir,
-                             cfg.weights_offload_quant)
     if cfg.tensor_parallel_size > 1:
-        from zeal.inference.tensor_parallel import load_split
-
-        if cfg.weights_offload != "none":
-            raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
-                             f"{cfg.tensor_parallel_size}")
-        model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)
-        if not tp.is_driver:
-            tp.serve(model)
+        aengine = _tensor_parallel_engine(cfg, path, srv.max_waiting)
+        if aengine is None:
             return None, name
+    elif srv.engine_process:
+        from zeal.inference.engine_process import EngineProcess
+        from zeal.inference.tokenizer import Tokenizer
+
+        aengine = EngineProcess(cfg, Tokenizer.from_folder(path), srv.max_waiting)
     else:
-        model, tok, eos = load_model_and_tokenizer(path, dtype, cfg.device, offload)
+        aengine = AsyncEngine(load_engine(cfg), srv.max_waiting)
+    return build_app(aengine, name, srv.api_key, srv.limits), name
+
+
+def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):
+    """Rank 0's engine thread over the split model; None on the other ranks (after serving)."""
+    import torch
+
+    from zeal.inference.async_engine import AsyncEngine
+    from zeal.inference.engine import LLMEngine
+    from zeal.inference.tensor_parallel import load_split
+
+    if cfg.weights_offload != "none":
+        raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
+                         f"{cfg.tensor_parallel_size}")
+    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
+    model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)
+    if not tp.is_driver:
+        tp.serve(model)
+        return None
     try:
         engine = LLMEngine(model, tok, cfg.engine, eos, tp=tp)
     except BaseException:
-        if tp is not None:
-            tp.shutdown()
+        tp.shutdown()
         raise
-    return build_app(AsyncEngine(engine, srv.max_waiting), name, srv.api_key, srv.limits), name
+    return AsyncEngine(engine, max_waiting)
 
 
 def run(args: argparse.Namespace) -> int:

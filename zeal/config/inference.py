@@ -106,6 +106,9 @@ class ServerConfig(Section):
     max_waiting: int = Field(256, ge=0, description="Bounded waiting queue; beyond it: HTTP 429.")
     log_level: str = Field("info", description="Log level of zeal and uvicorn (debug, info, warning, error).")
     limits: ServerLimits = Field(default_factory=ServerLimits, description="Per-request bounds.")
+    engine_process: bool = Field(
+        True, description="Run the engine in its own process beside the HTTP server (the GIL not shared); "
+                          "off: an engine thread in the server's process. Tensor-parallel serving uses the thread.")
 
 
 class InferenceConfig(Section):
