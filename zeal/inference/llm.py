@@ -59,6 +59,18 @@ class WeightsOffload:
                              "(it sets how the streamed layers are stored)")
 
 
+def torch_dtype(dtype: torch.dtype | str, device: str = "cpu") -> torch.dtype:
+    """A torch dtype, or its name as vLLM users write it (``"bfloat16"``, ``"bf16"``, ``"float32"``,
+    ``"auto"``: bf16 where the hardware computes it natively); ``ValueError`` for any other."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    from zeal.cli.serve import DTYPES, resolve_dtype
+
+    if not isinstance(dtype, str) or dtype.lower() not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or a torch.dtype")
+    return getattr(torch, resolve_dtype(dtype.lower(), device))
+
+
 def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
                              device: str | torch.device = "cpu", offload: WeightsOffload | None = None,
                              ) -> tuple[nn.Module, Tokenizer | None, list[int]]:
@@ -135,10 +147,11 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | nn.Module | None = None, tokenizer: Tokenizer | str | None = None,
-                 *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                  eos_token_ids: list[int] | None = None, weights_offload: str = "none",
                  max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
                  weights_offload_quant: str = "none", tensor_parallel_size: int = 1, **engine_kwargs) -> None:
+        dtype = torch_dtype(dtype, str(device))
         offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir, weights_offload_quant)
         self.tp = None
         self.is_driver = True
