@@ -1,0 +1,117 @@
+"""The llm-compressor side of ``bench_peers.py`` and ``check_export_peers.py``: run in
+llm-compressor's own venv (never a zeal dependency).
+
+``python _llmc_side.py JOB.json RESULT.json``. Two modes:
+
+- ``oneshot``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W4A16 and
+  W8A16), a fresh copy of the HF folder is compressed by ``llmcompressor.oneshot`` on
+  zeal's calibration blocks (the time recorded), its held-out perplexity taken with its
+  own forward (zeal's perplexity function, zeal's evaluation blocks), saved compressed
+  (``save_compressed=True``, the bytes recorded), reloaded through transformers +
+  compressed-tensors with ``dequantize=True`` and its linears written as dense fp32
+  safetensors for zeal to evaluate with its own model;
+- ``load``: each folder zeal exported is read with that same loader and its dense
+  linears written out (zeal compares them to its own dequantized weights).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from _side_common import (
+    calibration_module,
+    dump_linears,
+    error_line,
+    folder_bytes,
+    read_job,
+    timed,
+    token_blocks,
+)
+
+
+def _recipe(run: str):
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    kind, _, arg = run.partition(" ")
+    if kind == "sparsegpt":
+        return SparseGPTModifier(sparsity=0.5, mask_structure=arg, targets=["Linear"], ignore=["lm_head"])
+    if kind == "wanda":
+        return WandaPruningModifier(sparsity=0.5, mask_structure=arg, targets=["Linear"], ignore=["lm_head"])
+    if kind == "gptq":
+        return GPTQModifier(targets="Linear", scheme=arg.upper(), ignore=["lm_head"])
+    if kind == "rtn":
+        return QuantizationModifier(targets="Linear", scheme=arg.upper(), ignore=["lm_head"])
+    raise ValueError(f"unknown llm-compressor run {run!r}")
+
+
+def _load(folder: str | Path, dequantize: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    kw = {}
+    if dequantize:
+        from transformers import CompressedTensorsConfig
+
+        kw["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+
+
+def _oneshot(job: dict, run: str, calib: torch.Tensor, evals: torch.Tensor, cal) -> dict:
+    from llmcompressor import oneshot
+    from llmcompressor.core import reset_session
+
+    reset_session()
+    model = _load(job["model"])
+    rows = [{"input_ids": x, "attention_mask": torch.ones_like(x)} for x in calib]
+    loader = torch.utils.data.DataLoader(rows, batch_size=1, shuffle=False)  # zeal's blocks as they are
+    _, seconds = timed(lambda: oneshot(model=model, dataset=loader, recipe=_recipe(run),
+                                       num_calibration_samples=len(loader), max_seq_length=calib.shape[1]))
+    own = cal.perplexity(model, evals)
+    slug = run.replace(" ", "_").replace(":", "")
+    saved = Path(job["work"]) / f"llmc_{slug}"
+    model.save_pretrained(str(saved), save_compressed=True)
+    cfg = json.loads((saved / "config.json").read_text()).get("quantization_config") or {}
+    nbytes = folder_bytes(saved)
+    model = None  # free it before the reload
+    dense = _load(saved, dequantize=bool(cfg.get("config_groups")))  # sparsity alone: a plain folder
+    weights = Path(job["work"]) / f"llmc_{slug}.safetensors"
+    dump_linears(dense, weights)
+    shutil.rmtree(saved)
+    return {"seconds": seconds, "own_ppl": own, "bytes": nbytes, "weights": str(weights),
+            "format": cfg.get("format"), "sparsity_config": cfg.get("sparsity_config")}
+
+
+def main() -> int:
+    job, result = read_job()
+    torch.set_num_threads(job.get("threads", torch.get_num_threads()))
+    out = {"versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "transformers", "torch")},
+           "runs": {}}
+    if job["mode"] == "oneshot":
+        cal = calibration_module(job["calibration_py"])
+        calib, evals = token_blocks(job)
+        for run in job["runs"]:
+            try:
+                out["runs"][run] = _oneshot(job, run, calib, evals, cal)
+            except Exception as e:  # a peer's failure is a result to report, not a crash
+                out["runs"][run] = {"error": error_line(e)}
+            print(f"llm-compressor {run}: {out['runs'][run]}", flush=True)
+    else:
+        for name, folder in job["folders"].items():
+            try:
+                weights = Path(job["work"]) / f"llmc_load_{name}.safetensors"
+                model, seconds = timed(lambda f=folder: _load(f, dequantize=True))
+                dump_linears(model, weights)
+                out["runs"][name] = {"weights": str(weights), "seconds": seconds}
+            except Exception as e:
+                out["runs"][name] = {"error": error_line(e)}
+    result.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
