@@ -3,8 +3,8 @@ llm-compressor's own venv (never a zeal dependency).
 
 ``python _llmc_side.py JOB.json RESULT.json``. Two modes:
 
-- ``oneshot``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W4A16 and
-  W8A16), a fresh copy of the HF folder is compressed by ``llmcompressor.oneshot`` on
+- ``oneshot``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W8A16 and
+  W4A16 with group 64), a fresh copy of the HF folder is compressed by ``llmcompressor.oneshot`` on
   zeal's calibration blocks (the time recorded), its held-out perplexity taken with its
   own forward (zeal's perplexity function, zeal's evaluation blocks), saved compressed
   (``save_compressed=True``, the bytes recorded), reloaded through transformers +
@@ -38,15 +38,23 @@ def _recipe(run: str):
     from llmcompressor.modifiers.pruning import SparseGPTModifier, WandaPruningModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    kind, _, arg = run.partition(" ")
+    kind, arg, *group = run.split(" ")
+    scheme = arg.upper()
+    if group:  # e.g. "w4a16 g64": the preset's weights with another group size (576 = 9 x 64)
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+        w = QuantizationArgs(num_bits=int(arg[1]), type="int", symmetric=True, strategy="group",
+                             group_size=int(group[0][1:]))
+        scheme = {"group_0": QuantizationScheme(targets=["Linear"], weights=w)}
+    quant = {"config_groups": scheme} if group else {"scheme": scheme}
     if kind == "sparsegpt":
         return SparseGPTModifier(sparsity=0.5, mask_structure=arg, targets=["Linear"], ignore=["lm_head"])
     if kind == "wanda":
         return WandaPruningModifier(sparsity=0.5, mask_structure=arg, targets=["Linear"], ignore=["lm_head"])
     if kind == "gptq":
-        return GPTQModifier(targets="Linear", scheme=arg.upper(), ignore=["lm_head"])
+        return GPTQModifier(targets="Linear", ignore=["lm_head"], **quant)
     if kind == "rtn":
-        return QuantizationModifier(targets="Linear", scheme=arg.upper(), ignore=["lm_head"])
+        return QuantizationModifier(targets="Linear", ignore=["lm_head"], **quant)
     raise ValueError(f"unknown llm-compressor run {run!r}")
 
 

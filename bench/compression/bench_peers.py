@@ -50,14 +50,14 @@ ZEAL_RUNS = {  # name: (n, m, method, bits, group_size)
     "2:4 wanda": (2, 4, "wanda", None, None),
     "int8 per-channel": (None, 4, "magnitude", 8, None),
     "int4 per-channel": (None, 4, "magnitude", 4, None),
-    "int4 g128": (None, 4, "magnitude", 4, 128),
+    "int4 g64": (None, 4, "magnitude", 4, 64),
 }
 # peer run -> the zeal row it is set beside
 LLMC_RUNS = {"sparsegpt 2:4": "2:4 wanda", "wanda 2:4": "2:4 wanda", "rtn w8a16": "int8 per-channel",
-             "gptq w8a16": "int8 per-channel", "rtn w4a16": "int4 g128", "gptq w4a16": "int4 g128"}
+             "gptq w8a16": "int8 per-channel", "rtn w4a16 g64": "int4 g64", "gptq w4a16 g64": "int4 g64"}
 TORCHAO_RUNS = {"2:4 semi-structured": "2:4 magnitude", "2:4 magnitude (fake sparsity)": "2:4 magnitude",
                 "2:4 wanda": "2:4 wanda", "int8 weight-only": "int8 per-channel",
-                "int4 weight-only g128": "int4 g128", "intx int4 g128": "int4 g128"}
+                "int4 weight-only g64": "int4 g64", "intx int4 g64": "int4 g64"}
 
 
 def _zeal_run(base, calib, spec: tuple) -> tuple[torch.nn.Module, float, dict]:

@@ -35,10 +35,10 @@ HERE = Path(__file__).resolve().parent
 CASES = {  # folder name: `zeal compress` flags
     "int8": ["--bits", "8"],
     "int4": ["--bits", "4"],
-    "int4-g128": ["--bits", "4", "--group-size", "128"],
+    "int4-g64": ["--bits", "4", "--group-size", "64"],
     "2:4": ["--sparsity", "2:4"],
     "2:4+int8": ["--sparsity", "2:4", "--bits", "8"],
-    "2:4+int4-g128": ["--sparsity", "2:4", "--bits", "4", "--group-size", "128"],
+    "2:4+int4-g64": ["--sparsity", "2:4", "--bits", "4", "--group-size", "64"],
 }
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Python lists are",
            "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
@@ -97,8 +97,9 @@ def main() -> None:
         folders = {}
         for case in cases:
             out = work / case.replace(":", "").replace("+", "_")
-            zeal_main(["compress", *CASES[case], "--seq-len", "64", "--calib-blocks", "2", "--eval-blocks", "2",
-                       "--out", str(out)])
+            if zeal_main(["compress", *CASES[case], "--seq-len", "64", "--calib-blocks", "2", "--eval-blocks", "2",
+                          "--out", str(out)]) != 0:
+                raise SystemExit(f"zeal compress {CASES[case]} failed")
             folders[case] = str(out)
         from zeal.inference.llm import load_model_and_tokenizer
 
