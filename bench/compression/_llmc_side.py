@@ -1,16 +1,17 @@
 """The llm-compressor side of ``bench_peers.py`` and ``check_export_peers.py``: run in
 llm-compressor's own venv (never a zeal dependency).
 
-``python _llmc_side.py JOB.json RESULT.json``. Two modes:
+``python _llmc_side.py JOB.json RESULT.json``; a job has ``runs``, ``folders`` or both:
 
-- ``oneshot``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W8A16 and
+- ``runs``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W8A16 and
   W4A16 with group 64), a fresh copy of the HF folder is compressed by ``llmcompressor.oneshot`` on
   zeal's calibration blocks (the time recorded), its held-out perplexity taken with its
   own forward (zeal's perplexity function, zeal's evaluation blocks), saved compressed
   (``save_compressed=True``, the bytes recorded), reloaded through transformers +
   compressed-tensors with ``dequantize=True`` and its linears written as dense fp32
-  safetensors for zeal to evaluate with its own model;
-- ``load``: each folder zeal exported is read with that same loader and its dense
+  safetensors for zeal to evaluate with its own model (``keep_saved``: the saved folder
+  is kept, e.g. for vLLM to load as a control);
+- ``folders``: each folder zeal exported is read with that same loader and its dense
   linears written out (zeal compares them to its own dequantized weights).
 """
 
@@ -89,8 +90,9 @@ def _oneshot(job: dict, run: str, calib: torch.Tensor, evals: torch.Tensor, cal)
     dense = _load(saved, dequantize=bool(cfg.get("config_groups")))  # sparsity alone: a plain folder
     weights = Path(job["work"]) / f"llmc_{slug}.safetensors"
     dump_linears(dense, weights)
-    shutil.rmtree(saved)
-    return {"seconds": seconds, "own_ppl": own, "bytes": nbytes, "weights": str(weights),
+    if not job.get("keep_saved"):
+        shutil.rmtree(saved)
+    return {"seconds": seconds, "own_ppl": own, "bytes": nbytes, "weights": str(weights), "saved": str(saved),
             "format": cfg.get("format"), "sparsity_config": cfg.get("sparsity_config")}
 
 
@@ -98,8 +100,8 @@ def main() -> int:
     job, result = read_job()
     torch.set_num_threads(job.get("threads", torch.get_num_threads()))
     out = {"versions": {p: version(p) for p in ("llmcompressor", "compressed-tensors", "transformers", "torch")},
-           "runs": {}}
-    if job["mode"] == "oneshot":
+           "runs": {}, "loads": {}}
+    if job.get("runs"):
         cal = calibration_module(job["calibration_py"])
         calib, evals = token_blocks(job)
         for run in job["runs"]:
@@ -108,15 +110,16 @@ def main() -> int:
             except Exception as e:  # a peer's failure is a result to report, not a crash
                 out["runs"][run] = {"error": error_line(e)}
             print(f"llm-compressor {run}: {out['runs'][run]}", flush=True)
-    else:
+    if job.get("folders"):  # load mode (and the control folders of a oneshot job, when asked)
         for name, folder in job["folders"].items():
             try:
                 weights = Path(job["work"]) / f"llmc_load_{name}.safetensors"
-                model, seconds = timed(lambda f=folder: _load(f, dequantize=True))
+                quantized = "quantization_config" in json.loads((Path(folder) / "config.json").read_text())
+                model, seconds = timed(lambda f=folder, q=quantized: _load(f, dequantize=q))
                 dump_linears(model, weights)
-                out["runs"][name] = {"weights": str(weights), "seconds": seconds}
+                out["loads"][name] = {"weights": str(weights), "seconds": seconds}
             except Exception as e:
-                out["runs"][name] = {"error": error_line(e)}
+                out["loads"][name] = {"error": error_line(e)}
     result.write_text(json.dumps(out, indent=1))
     return 0
 

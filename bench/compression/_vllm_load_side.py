@@ -23,7 +23,7 @@ def _error(e: BaseException) -> str:
     lines = [x for x in str(e).strip().splitlines() if x.strip()]
     where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
     at = f" [{os.path.basename(where.filename)}:{where.lineno}]" if where else ""
-    return f"{type(e).__name__}: {lines[0][:400] if lines else ''}{at}"
+    return f"{type(e).__name__}: {' | '.join(x.strip() for x in lines)[:700]}{at}"
 
 
 def main() -> int:

@@ -6,7 +6,12 @@ says it does? One run, each reader in its own venv:
   or the exact error where vLLM refuses a scheme;
 - llm-compressor / compressed-tensors (``--llmc PYTHON``): each folder read by
   transformers + compressed-tensors with ``dequantize=True`` (their own decompression),
-  its linears compared with the weights zeal dequantizes from the same folder.
+  its linears compared with the weights zeal dequantizes from the same folder; and, as
+  controls, llm-compressor's own RTN W8A16 / W4A16 folders of the same model given to
+  vLLM and to ``zeal serve`` too (a scheme vLLM refuses for both is vLLM's limit).
+
+bf16 by default: vLLM's CPU int4 kernel has no fp32 path ("cpu_gemm_wna16" not
+implemented for 'Float').
 
     flock /tmp/zeal-heavy.lock python bench/compression/check_export_peers.py \\
         --vllm /work/peers/vllm/bin/python --llmc /work/peers/llmc/bin/python
@@ -24,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from zeal.cli.main import main as zeal_main
 from zeal.compression.modules import linear_targets
@@ -83,56 +88,93 @@ def _weights_vs_zeal(folder: Path, dense_file: str) -> dict:
     return {"linears_equal": f"{equal}/{len(targets)}", "max_abs_diff": worst}
 
 
+def _zeal_folders(cases: list[str], work: Path) -> dict[str, str]:
+    folders = {}
+    for case in cases:
+        out = work / case.replace(":", "").replace("+", "_")
+        if zeal_main(["compress", *CASES[case], "--seq-len", "64", "--calib-blocks", "2", "--eval-blocks", "2",
+                      "--out", str(out)]) != 0:
+            raise SystemExit(f"zeal compress {CASES[case]} failed")
+        folders[case] = str(out)
+    return folders
+
+
+def _llmc(python: str, folders: dict, controls: list[str], src: Path, tok, work: Path) -> tuple[dict, dict]:
+    """compressed-tensors' loader on zeal's folders; llm-compressor's own folders for
+    ``controls`` (RTN, kept on disk for the other readers)."""
+    import zeal.compression.calibration as calibration
+    from zeal.compression.calibration import blocks, split_text
+
+    ctext, etext = split_text(None)
+    save_file({"calib": blocks(tok.encode(ctext, add_special_tokens=False), 64, 2),
+               "evals": blocks(tok.encode(etext, add_special_tokens=False), 64, 2)}, str(work / "data.safetensors"))
+    job = {"folders": folders, "work": str(work), "runs": controls, "keep_saved": True, "model": str(src),
+           "data": str(work / "data.safetensors"), "calibration_py": calibration.__file__}
+    res = _side(python, "_llmc_side.py", job, work)
+    rows = {case: (f"refused: {r['error']}" if "error" in r else _weights_vs_zeal(Path(folders[case]), r["weights"]))
+            for case, r in res["loads"].items()}
+    made = {f"llm-compressor {run}": r["saved"] for run, r in res["runs"].items() if "saved" in r}
+    return {"versions": res["versions"], "rows": rows}, made
+
+
+def _vllm_rows(res: dict, report: dict) -> None:
+    for case, r in res["runs"].items():
+        row = report["cases"][case]
+        if "error" in r:
+            row["vllm"] = f"refused: {r['error']}"
+        elif isinstance(row.get("zeal_tokens"), list):
+            ours = row["zeal_tokens"]
+            same = sum(a == b for a, b in zip(ours, r["tokens"]))
+            firsts = [_first_diff(a, b) for a, b in zip(ours, r["tokens"])]
+            row["vllm"] = f"loaded; {same}/{len(ours)} prompts same greedy tokens as zeal (first diff at {firsts})"
+        else:
+            row["vllm"] = "loaded"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm", default=None, metavar="PYTHON")
     ap.add_argument("--llmc", default=None, metavar="PYTHON")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
+    ap.add_argument("--controls", default="rtn w8a16,rtn w4a16 g64",
+                    help="llm-compressor folders also given to vLLM and zeal (needs --llmc; '' for none)")
     ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     args = ap.parse_args()
+    from zeal.inference.llm import load_model_and_tokenizer
+
     cases = [c for c in args.cases.split(",") if c]
     work = Path(tempfile.mkdtemp(prefix="zeal-ctcheck-"))
     try:
-        folders = {}
-        for case in cases:
-            out = work / case.replace(":", "").replace("+", "_")
-            if zeal_main(["compress", *CASES[case], "--seq-len", "64", "--calib-blocks", "2", "--eval-blocks", "2",
-                          "--out", str(out)]) != 0:
-                raise SystemExit(f"zeal compress {CASES[case]} failed")
-            folders[case] = str(out)
-        from zeal.inference.llm import load_model_and_tokenizer
-
-        _, tok, _ = load_model_and_tokenizer(resolve_model_path(None))
+        folders = _zeal_folders(cases, work)
+        src = resolve_model_path(None)
+        _, tok, _ = load_model_and_tokenizer(src)
         prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-        dtype = getattr(torch, args.dtype)
         report = {"cases": {c: {} for c in cases}}
-        for case in cases:
-            report["cases"][case]["zeal_tokens"] = _zeal_tokens(Path(folders[case]), prompts, args.new_tokens, dtype)
+        if args.llmc:
+            controls = [c for c in args.controls.split(",") if c]
+            llmc, made = _llmc(args.llmc, folders, controls, src, tok, work)
+            report["llmc"] = llmc["versions"]
+            for case, row in llmc["rows"].items():
+                report["cases"][case]["llmc"] = row
+            folders.update(made)
+            report["cases"].update({name: {} for name in made})
+        for case, folder in folders.items():
+            try:  # zeal serve on the folder (an llm-compressor control too)
+                toks = _zeal_tokens(Path(folder), prompts, args.new_tokens, getattr(torch, args.dtype))
+            except Exception as e:
+                toks = f"zeal refused: {type(e).__name__}: {e}"
+            report["cases"][case]["zeal_tokens"] = toks
         if args.vllm:
             env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
             res = _side(args.vllm, "_vllm_load_side.py", {"folders": folders, "prompts": prompts,
                                                           "new_tokens": args.new_tokens, "dtype": args.dtype}, work, env)
             report["vllm"] = res["vllm"]
-            for case, r in res["runs"].items():
-                row = report["cases"][case]
-                if "error" in r:
-                    row["vllm"] = f"refused: {r['error']}"
-                    continue
-                ours = row["zeal_tokens"]
-                same = sum(a == b for a, b in zip(ours, r["tokens"]))
-                firsts = [_first_diff(a, b) for a, b in zip(ours, r["tokens"])]
-                row["vllm"] = f"loaded; {same}/{len(ours)} prompts same greedy tokens (first diff at {firsts})"
-        if args.llmc:
-            res = _side(args.llmc, "_llmc_side.py", {"mode": "load", "folders": folders, "work": str(work)}, work)
-            report["llmc"] = res["versions"]
-            for case, r in res["runs"].items():
-                row = report["cases"][case]
-                row["llmc"] = f"refused: {r['error']}" if "error" in r else _weights_vs_zeal(Path(folders[case]),
-                                                                                           r["weights"])
-        for case in cases:
-            row = report["cases"][case]
-            print(f"{case:<15} vLLM: {row.get('vllm', '-')}\n{'':<15} llm-compressor loader: {row.get('llmc', '-')}")
+            _vllm_rows(res, report)
+        for case, row in report["cases"].items():
+            zeal = row["zeal_tokens"] if isinstance(row["zeal_tokens"], str) else "served"
+            print(f"{case:<30} zeal: {zeal}\n{'':<30} vLLM: {row.get('vllm', '-')}\n"
+                  f"{'':<30} compressed-tensors loader: {row.get('llmc', '-')}")
         print(json.dumps({"args": vars(args), **{k: v for k, v in report.items() if k != "cases"},
                           "cases": {c: {k: v for k, v in r.items() if k != "zeal_tokens"}
                                     for c, r in report["cases"].items()}}))
