@@ -2,8 +2,8 @@
 dependency). ``python _vllm_load_side.py JOB.json RESULT.json``.
 
 Loads each folder zeal exported (one ``LLM`` after the other, eager mode: the check is
-the loader and the tokens, not speed), greedy-decodes the same token prompts and records
-the tokens, or the exact error when vLLM refuses the folder. The engine runs in this
+the loader and the tokens, not speed), greedy-decodes the same token prompts and scores the
+held-out blocks (prompt logprobs), or records the exact error when vLLM refuses it. The engine runs in this
 process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so a loader's exception reaches us as is.
 """
 
@@ -26,6 +26,13 @@ def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {' | '.join(x.strip() for x in lines)[:700]}{at}"
 
 
+def _scored(llm, blocks: list[list[int]], TokensPrompt, SamplingParams) -> list[list[float]]:
+    """log p(token_t | tokens_<t) of every block token after the first (vLLM's prompt logprobs)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=b) for b in blocks], params, use_tqdm=False)
+    return [[o.prompt_logprobs[t][tok].logprob for t, tok in enumerate(b) if t > 0] for o, b in zip(outs, blocks)]
+
+
 def main() -> int:
     job = json.loads(open(sys.argv[1]).read())
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -44,7 +51,8 @@ def main() -> int:
             llm = LLM(model=folder, dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=256, seed=0,
                       enforce_eager=True)
             outs = llm.generate(prompts, params, use_tqdm=False)
-            out["runs"][name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
+            out["runs"][name] = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                                 "logprobs": _scored(llm, job["score"], TokensPrompt, SamplingParams)}
         except Exception as e:  # a refusal is the result
             out["runs"][name] = {"error": _error(e)}
         out["runs"][name]["seconds"] = time.perf_counter() - t0

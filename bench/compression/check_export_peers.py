@@ -1,9 +1,11 @@
 """Does what ``zeal compress --format compressed-tensors`` writes load where the issue
 says it does? One run, each reader in its own venv:
 
-- vLLM (``--vllm PYTHON``): each folder loaded by vLLM's CPU build, greedy tokens on a
-  few prompts beside ``zeal serve``'s (``zeal.LLM`` on the same folder, the same dtype),
-  or the exact error where vLLM refuses a scheme;
+- vLLM (``--vllm PYTHON``): each folder loaded by vLLM's CPU build; the held-out
+  perplexity from vLLM's prompt logprobs beside zeal's on the same folder (fp32, and
+  bf16 for the rounding floor), the mean |Δ log p| per token, and the greedy tokens on a
+  few prompts beside ``zeal serve``'s (same dtype); or the exact error where vLLM
+  refuses a scheme;
 - llm-compressor / compressed-tensors (``--llmc PYTHON``): each folder read by
   transformers + compressed-tensors with ``dequantize=True`` (their own decompression),
   its linears compared with the weights zeal dequantizes from the same folder; and, as
@@ -32,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zeal.cli.main import main as zeal_main
+from zeal.compression.calibration import blocks, split_text
 from zeal.compression.modules import linear_targets
 from zeal.inference.llm import resolve_model_path
 from zeal.models.hf import load_hf_model
@@ -72,6 +75,15 @@ def _zeal_tokens(folder: Path, prompts: list[list[int]], new_tokens: int, dtype:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
 
 
+@torch.no_grad()
+def _zeal_logprobs(folder: Path, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """log p(x_t | x_<t) under zeal's model of ``folder`` (weights dequantized on load)."""
+    model, _ = load_hf_model(folder, dtype)
+    lg = model.eval()(x)
+    lg = (lg.logits if hasattr(lg, "logits") else lg)[:, :-1].float()
+    return torch.log_softmax(lg, -1).gather(-1, x[:, 1:, None]).squeeze(-1)
+
+
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -103,7 +115,6 @@ def _llmc(python: str, folders: dict, controls: list[str], src: Path, tok, work:
     """compressed-tensors' loader on zeal's folders; llm-compressor's own folders for
     ``controls`` (RTN, kept on disk for the other readers)."""
     import zeal.compression.calibration as calibration
-    from zeal.compression.calibration import blocks, split_text
 
     ctext, etext = split_text(None)
     save_file({"calib": blocks(tok.encode(ctext, add_special_tokens=False), 64, 2),
@@ -114,21 +125,35 @@ def _llmc(python: str, folders: dict, controls: list[str], src: Path, tok, work:
     rows = {case: (f"refused: {r['error']}" if "error" in r else _weights_vs_zeal(Path(folders[case]), r["weights"]))
             for case, r in res["loads"].items()}
     made = {f"llm-compressor {run}": r["saved"] for run, r in res["runs"].items() if "saved" in r}
+    for run, r in res["runs"].items():
+        if "error" in r:
+            print(f"llm-compressor control {run!r} failed: {r['error']}")
     return {"versions": res["versions"], "rows": rows}, made
 
 
-def _vllm_rows(res: dict, report: dict) -> None:
+def _vllm_rows(res: dict, report: dict, folders: dict, scored: torch.Tensor) -> None:
+    """Held-out perplexity by vLLM's prompt logprobs beside zeal's (fp32 and bf16) on the
+    same folder, the mean |Δ log p| per token, and the greedy tokens."""
     for case, r in res["runs"].items():
         row = report["cases"][case]
         if "error" in r:
             row["vllm"] = f"refused: {r['error']}"
-        elif isinstance(row.get("zeal_tokens"), list):
-            ours = row["zeal_tokens"]
-            same = sum(a == b for a, b in zip(ours, r["tokens"]))
-            firsts = [_first_diff(a, b) for a, b in zip(ours, r["tokens"])]
-            row["vllm"] = f"loaded; {same}/{len(ours)} prompts same greedy tokens as zeal (first diff at {firsts})"
-        else:
-            row["vllm"] = "loaded"
+            continue
+        theirs = torch.tensor(r["logprobs"])
+        try:
+            fp32, bf16 = (_zeal_logprobs(Path(folders[case]), scored, d) for d in (torch.float32, torch.bfloat16))
+        except Exception as e:
+            row["vllm"] = f"loaded; ppl {float(torch.exp(-theirs.mean())):.3f} (zeal cannot read it: {e})"
+            continue
+        ppl = {k: round(float(torch.exp(-v.mean())), 3) for k, v in (("vllm", theirs), ("zeal_fp32", fp32),
+                                                                      ("zeal_bf16", bf16))}
+        row["ppl"] = ppl
+        row["mean_abs_dlogp"] = {"vllm_vs_zeal_fp32": round(float((theirs - fp32).abs().mean()), 4),
+                                 "zeal_bf16_vs_fp32": round(float((bf16 - fp32).abs().mean()), 4)}
+        ours = row["zeal_tokens"] if isinstance(row.get("zeal_tokens"), list) else []
+        firsts = [_first_diff(a, b) for a, b in zip(ours, r["tokens"])]
+        row["vllm"] = (f"loaded; held-out ppl {ppl}; mean |dlogp| {row['mean_abs_dlogp']}; greedy: "
+                       f"{sum(a == b for a, b in zip(ours, r['tokens']))}/{len(ours)} same (first diff at {firsts})")
 
 
 def main() -> None:
@@ -139,6 +164,7 @@ def main() -> None:
     ap.add_argument("--controls", default="rtn w8a16,rtn w4a16 g64",
                     help="llm-compressor folders also given to vLLM and zeal (needs --llmc; '' for none)")
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--score-blocks", type=int, default=4, help="held-out 128-token blocks scored by both")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     args = ap.parse_args()
     from zeal.inference.llm import load_model_and_tokenizer
@@ -150,6 +176,7 @@ def main() -> None:
         src = resolve_model_path(None)
         _, tok, _ = load_model_and_tokenizer(src)
         prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+        scored = blocks(tok.encode(split_text(None)[1], add_special_tokens=False), 128, args.score_blocks)
         report = {"cases": {c: {} for c in cases}}
         if args.llmc:
             controls = [c for c in args.controls.split(",") if c]
@@ -167,10 +194,11 @@ def main() -> None:
             report["cases"][case]["zeal_tokens"] = toks
         if args.vllm:
             env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
-            res = _side(args.vllm, "_vllm_load_side.py", {"folders": folders, "prompts": prompts,
-                                                          "new_tokens": args.new_tokens, "dtype": args.dtype}, work, env)
+            job = {"folders": folders, "prompts": prompts, "new_tokens": args.new_tokens, "dtype": args.dtype,
+                   "score": scored.tolist()}
+            res = _side(args.vllm, "_vllm_load_side.py", job, work, env)
             report["vllm"] = res["vllm"]
-            _vllm_rows(res, report)
+            _vllm_rows(res, report, folders, scored)
         for case, row in report["cases"].items():
             zeal = row["zeal_tokens"] if isinstance(row["zeal_tokens"], str) else "served"
             print(f"{case:<30} zeal: {zeal}\n{'':<30} vLLM: {row.get('vllm', '-')}\n"
