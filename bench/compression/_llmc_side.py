@@ -3,8 +3,8 @@ llm-compressor's own venv (never a zeal dependency).
 
 ``python _llmc_side.py JOB.json RESULT.json``; a job has ``runs``, ``folders`` or both:
 
-- ``runs``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W8A16 and
-  W4A16 with group 64), a fresh copy of the HF folder is compressed by ``llmcompressor.oneshot`` on
+- ``runs``: for each run (``sparsegpt``/``wanda`` 2:4, ``gptq``/``rtn`` W8A16 per channel
+  and W4A16 with group 64), a fresh copy of the HF folder is compressed by ``llmcompressor.oneshot`` on
   zeal's calibration blocks (the time recorded), its held-out perplexity taken with its
   own forward (zeal's perplexity function, zeal's evaluation blocks), saved compressed
   (``save_compressed=True``, the bytes recorded), reloaded through transformers +
@@ -41,11 +41,12 @@ def _recipe(run: str):
 
     kind, arg, *group = run.split(" ")
     scheme = arg.upper()
-    if group:  # e.g. "w4a16 g64": the preset's weights with another group size (576 = 9 x 64)
+    if group:  # "w4a16 g64" / "w8a16 ch": symmetric int weights by group or channel (the presets'
+        # group of 128 does not divide SmolLM2's 576 columns, and llm-compressor refuses it)
         from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-        w = QuantizationArgs(num_bits=int(arg[1]), type="int", symmetric=True, strategy="group",
-                             group_size=int(group[0][1:]))
+        by = {"strategy": "channel"} if group[0] == "ch" else {"strategy": "group", "group_size": int(group[0][1:])}
+        w = QuantizationArgs(num_bits=int(arg[1]), type="int", symmetric=True, **by)
         scheme = {"group_0": QuantizationScheme(targets=["Linear"], weights=w)}
     quant = {"config_groups": scheme} if group else {"scheme": scheme}
     if kind == "sparsegpt":
@@ -110,6 +111,7 @@ def main() -> int:
             except Exception as e:  # a peer's failure is a result to report, not a crash
                 out["runs"][run] = {"error": error_line(e)}
             print(f"llm-compressor {run}: {out['runs'][run]}", flush=True)
+            result.write_text(json.dumps(out, indent=1))  # what is done survives a timeout
     if job.get("folders"):  # load mode (and the control folders of a oneshot job, when asked)
         for name, folder in job["folders"].items():
             try:

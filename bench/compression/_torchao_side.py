@@ -113,6 +113,7 @@ def main() -> int:
         except Exception as e:  # a peer's failure is a result to report, not a crash
             out["runs"][run] = {"error": error_line(e)}
         print(f"torchao {run}: {out['runs'][run]}", flush=True)
+        result.write_text(json.dumps(out, indent=1))  # what is done survives a timeout
     result.write_text(json.dumps(out, indent=1))
     return 0
 

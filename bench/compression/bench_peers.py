@@ -53,8 +53,8 @@ ZEAL_RUNS = {  # name: (n, m, method, bits, group_size)
     "int4 g64": (None, 4, "magnitude", 4, 64),
 }
 # peer run -> the zeal row it is set beside
-LLMC_RUNS = {"sparsegpt 2:4": "2:4 wanda", "wanda 2:4": "2:4 wanda", "rtn w8a16": "int8 per-channel",
-             "gptq w8a16": "int8 per-channel", "rtn w4a16 g64": "int4 g64", "gptq w4a16 g64": "int4 g64"}
+LLMC_RUNS = {"sparsegpt 2:4": "2:4 wanda", "wanda 2:4": "2:4 wanda", "rtn w8a16 ch": "int8 per-channel",
+             "gptq w8a16 ch": "int8 per-channel", "rtn w4a16 g64": "int4 g64", "gptq w4a16 g64": "int4 g64"}
 TORCHAO_RUNS = {"2:4 semi-structured": "2:4 magnitude", "2:4 magnitude (fake sparsity)": "2:4 magnitude",
                 "2:4 wanda": "2:4 wanda", "int8 weight-only": "int8 per-channel",
                 "int4 weight-only g64": "int4 g64", "intx int4 g64": "int4 g64"}
@@ -118,9 +118,16 @@ def _side(python: str, script: str, job: dict, work: Path, timeout: int) -> dict
     name = Path(script).stem
     (work / f"{name}.json").write_text(json.dumps(job))
     with open(work / f"{name}.log", "w") as log:
-        proc = subprocess.run([python, str(HERE / script), str(work / f"{name}.json"), str(work / f"{name}.out.json")],
-                              stdout=log, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE)
-    if proc.returncode != 0:
+        try:
+            proc = subprocess.run([python, str(HERE / script), str(work / f"{name}.json"),
+                                   str(work / f"{name}.out.json")], stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout, cwd=HERE)
+        except subprocess.TimeoutExpired:  # the runs it finished are in its result file
+            print(f"{script}: timed out after {timeout} s; keeping the runs it finished", flush=True)
+            proc = None
+    if proc is None and (work / f"{name}.out.json").exists():
+        return json.loads((work / f"{name}.out.json").read_text())
+    if proc is None or proc.returncode != 0:
         tail = (work / f"{name}.log").read_text().splitlines()[-5:]
         raise RuntimeError(f"{script} exited {proc.returncode}: " + " | ".join(tail))
     return json.loads((work / f"{name}.out.json").read_text())
@@ -205,7 +212,8 @@ def main() -> None:
             versions[tool] = out["versions"]
             print(f"{tool} side: {time.perf_counter() - t0:.0f} s, {out['versions']}", flush=True)
             for run in runs:
-                rows.append(_row(tool, run, out["runs"][run], table[run], base, evals, zeal_masks))
+                res = out["runs"].get(run, {"error": "not reached before the side's timeout"})
+                rows.append(_row(tool, run, res, table[run], base, evals, zeal_masks))
         _print(rows, dense, dense_bytes)
         print(json.dumps({"args": vars(args), "dense_ppl": dense, "dense_bytes": dense_bytes, "versions": versions,
                           "rows": rows}))

@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--vllm", default=None, metavar="PYTHON")
     ap.add_argument("--llmc", default=None, metavar="PYTHON")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ", ".join(CASES))
-    ap.add_argument("--controls", default="rtn w8a16,rtn w4a16 g64",
+    ap.add_argument("--controls", default="rtn w8a16 ch,rtn w4a16 g64",
                     help="llm-compressor folders also given to vLLM and zeal (needs --llmc; '' for none)")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--score-blocks", type=int, default=4, help="held-out 128-token blocks scored by both")
