@@ -42,6 +42,8 @@ def test_export_reloads_fake_quantized_weights_and_serves_the_same_greedy_tokens
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["sparsity_config"]["sparsity_structure"] == "2:4" and qc["sparsity_config"]["global_sparsity"] == 0.5
+    # vLLM 0.32 refuses a sparsity config that lists targets (compressed-tensors dropped sparse compression)
+    assert not qc["sparsity_config"].get("targets") and qc["sparsity_config"]["ignore"] == ["lm_head"]
 
     loaded, _ = load_hf_model(folder)
     for name, lin in targets.items():
@@ -80,3 +82,33 @@ def test_hugging_face_reads_the_export_with_the_same_weights(tmp_path):
         want = quantize_dequantize(lin.weight.detach(), 4, 32)
         assert torch.equal(hf.get_submodule(name).weight.detach(), want), name
         assert torch.equal(ours.get_submodule(name).weight, want), name
+
+
+@pytest.mark.timeout(60)
+def test_sparse_export_records_no_target_list_and_sparse_only_is_a_plain_folder(tmp_path):
+    """vLLM 0.32 refuses any sparsity config naming targets, and transformers 5.17 with
+    compressed-tensors 0.19 fails on a compressed-tensors config without quantization
+    groups: a quantized layer left dense is listed in the sparsity ``ignore``; a
+    sparse-only export is the plain dense folder (no ``quantization_config``)."""
+    from zeal.compression.export import export_compressed
+
+    torch.manual_seed(0)
+    model = Llama(CFG).eval()
+    targets = linear_targets(model)
+    apply_masks_(model, magnitude_masks(targets, 2, 4))
+    want = {n: lin.weight.detach().clone() for n, lin in targets.items()}
+    sparse = {n: (2, 4) for n in targets if "mlp" in n}
+    folder = save_hf_folder(model, tmp_path / "q")
+    export_compressed(folder, {n: (8, None) for n in targets}, sparse, ignore=["lm_head"])
+    sc = json.loads((folder / "config.json").read_text())["quantization_config"]["sparsity_config"]
+    assert "targets" not in sc
+    assert sc["ignore"] == sorted(["lm_head", *(n for n in targets if n not in sparse)])
+
+    folder = save_hf_folder(model, tmp_path / "s")
+    before = (folder / "model.safetensors").read_bytes()
+    export_compressed(folder, {}, {n: (2, 4) for n in targets}, ignore=["lm_head"])
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    assert (folder / "model.safetensors").read_bytes() == before
+    loaded, _ = load_hf_model(folder)
+    for name, w in want.items():
+        assert torch.equal(loaded.get_submodule(name).weight, w), name

@@ -7,7 +7,7 @@ No --model: the embedded SmolLM2-135M-Instruct. No --data: Python's documentatio
 topics (pydoc_data), every fifth topic held out for the perplexity printed before and
 after. The output folder loads in `zeal serve DIR` and, in the compressed-tensors
 format, in vLLM and llm-compressor (int4/int8 weights packed with their scales; the
-2:4 zeros are stored as values and recorded in the config).
+2:4 zeros are stored as values, recorded in the config when the weights are quantized).
 """
 
 from __future__ import annotations

@@ -9,9 +9,15 @@ int codes densely packed into int32 by the ``compressed-tensors`` library),
 ``L.weight_shape``; zeal's symmetric quantizer (:mod:`.quant`) gives the codes, so the
 served weight ``q·scale`` is exactly the fake-quantized weight of training.
 
-N:M sparsity is recorded in ``quantization_config.sparsity_config`` with format
-``dense`` (the zeros are stored as values): the bitmask formats were dropped by
-``compressed-tensors`` 0.15 and by vLLM's loader, so no current reader would take them.
+N:M sparsity is stored as values (the zeros written as zeros): the bitmask formats were
+dropped by ``compressed-tensors`` 0.15 and by vLLM's loader, so no current reader would
+take them. With quantization, ``quantization_config.sparsity_config`` records the pattern
+(format ``dense``, ``sparsity_structure``, ``global_sparsity``) with no ``targets`` list
+(every linear but its ``ignore``): vLLM 0.32 refuses any folder whose sparsity config
+names targets ("Sparsity support has been removed from compressed-tensors"). Without
+quantization the folder is a plain dense one with no ``quantization_config``, as
+llm-compressor writes a sparse-only model: transformers 5.17 with compressed-tensors 0.19
+fails on a compressed-tensors config that has no quantization group.
 
 Needs the optional ``compressed-tensors`` package (``pip install zeal[compress]``).
 """
@@ -50,11 +56,14 @@ def export_compressed(folder: str | Path, quant: dict[str, tuple[int, int | None
     """Rewrite the dense HF folder ``folder`` (written by ``save_hf_folder``) in place:
     every linear named in ``quant`` (module name → (bits, group_size)) is packed, the
     config gets its ``quantization_config``. ``sparse`` (module → (n, m)) and ``ignore``
-    (linears left in floating point) are recorded in the config."""
+    (linears left in floating point) are recorded in it; with no ``quant`` the folder
+    stays a plain dense one (see the module docstring)."""
+    folder = Path(folder)
+    if not quant:
+        return folder
     pack_to_int32, _ = _ct()
     import compressed_tensors
 
-    folder = Path(folder)
     sd = load_file(str(folder / "model.safetensors"))
     groups: dict[tuple[int, int | None], list[str]] = {}
     for layer, (bits, group_size) in quant.items():
@@ -70,13 +79,11 @@ def export_compressed(folder: str | Path, quant: dict[str, tuple[int, int | None
           "version": compressed_tensors.__version__, "ignore": sorted(ignore or []),
           "config_groups": {f"group_{i}": _scheme(["Linear"] if len(groups) == 1 else layers, b, g)
                             for i, ((b, g), layers) in enumerate(groups.items())}}
-    if sparse:
+    if sparse:  # no "targets": every linear but "ignore" (vLLM refuses listed targets)
         structures = sorted({f"{n}:{m}" for n, m in sparse.values()})
         qc["sparsity_config"] = {"format": "dense", "sparsity_structure": ",".join(structures),
-                                 "targets": sorted(sparse), "ignore": sorted(ignore or []),
+                                 "ignore": sorted(set(ignore or []) | (set(quant) - set(sparse))),
                                  "global_sparsity": _global_sparsity(sd, sparse)}
-    if not quant:
-        qc["format"] = "dense"
     cfg["quantization_config"] = qc
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
