@@ -65,12 +65,12 @@ class CompressJob:
     lr: float = 1e-5
     batch: int = 2
     loss: str = "ce"  # ce | kd
-    admm_interval: int = 2
+    admm_interval: int = 1
     admm_fraction: float = 0.5
     admm_penalty: str = "prox"  # prox | grad
     admm_metric: str = "activation"  # activation | euclidean
-    rho: float = 0.01
-    rho_max: float = 1.0
+    rho: float = 0.3  # the best measured on SmolLM2 (bench/compression/README.md)
+    rho_max: float = 10.0
     exclude: tuple[str, ...] = ("lm_head", "*.lm_head")
 
 
