@@ -59,7 +59,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--eval-blocks", type=int, default=16)
     ap.add_argument("--admm-metric", choices=("activation", "euclidean"), default="activation")
     ap.add_argument("--admm-penalty", choices=("prox", "grad"), default="prox")
-    ap.add_argument("--admm-fraction", type=float, default=0.5)
+    ap.add_argument("--admm-fraction", type=float, default=0.25)
     ap.add_argument("--admm-interval", type=int, default=1)
     ap.add_argument("--rho", type=float, default=0.3)
     ap.add_argument("--rho-max", type=float, default=10.0)

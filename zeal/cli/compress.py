@@ -30,8 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--method", choices=("admm", "magnitude", "wanda"), default="magnitude", help="how to prune")
     p.add_argument("--bits", type=int, choices=(8, 4), default=None, help="weight bits (QAT with --steps, else PTQ)")
     p.add_argument("--group-size", type=int, default=None, help="weights per scale (default: per output channel)")
-    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the calibration text (ADMM: half "
-                   "ADMM, half masked fine-tuning); 0 = one-shot")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the fine-tuning text (ADMM: the "
+                   "first quarter ADMM, the rest masked fine-tuning); 0 = one-shot")
     p.add_argument("--lr", type=float, default=1e-5, help="fine-tuning learning rate (AdamW)")
     p.add_argument("--loss", choices=("ce", "kd"), default="ce", help="fine-tuning loss: next-token cross-entropy "
                    "or distillation from the uncompressed model (KL on the logits)")

@@ -66,7 +66,7 @@ class CompressJob:
     batch: int = 2
     loss: str = "ce"  # ce | kd
     admm_interval: int = 1
-    admm_fraction: float = 0.5
+    admm_fraction: float = 0.25
     admm_penalty: str = "prox"  # prox | grad
     admm_metric: str = "activation"  # activation | euclidean
     rho: float = 0.3  # the best measured on SmolLM2 (bench/compression/README.md)
