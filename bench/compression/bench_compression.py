@@ -1,9 +1,12 @@
 """Compression of SmolLM2-135M-Instruct: held-out perplexity of every method in one run.
 
-Calibration/fine-tuning and evaluation text are the pydoc_data topics (every fifth held
-out). Every method that trains gets the same optimizer steps on the same blocks.
+Calibration, fine-tuning and evaluation text are disjoint parts of the pydoc_data topics
+(``split_three``: every fifth topic held out for evaluation, every fifth other one for
+calibration, the rest fine-tuning, so a budget of K steps is K·batch distinct blocks, under one
+epoch). Every method that trains gets the same optimizer steps, blocks, learning rate and loss.
+``--only`` runs a subset (comma-separated substrings of the run names) to keep each run short.
 
-    flock /tmp/zeal-heavy.lock python bench/compression/bench_compression.py --steps 16
+    flock /tmp/zeal-heavy.lock python bench/compression/bench_compression.py --steps 32 --loss kd --only 2:4
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import time
 
 import torch
 
-from zeal.compression.calibration import blocks, perplexity, split_text
+from zeal.compression.calibration import blocks, perplexity, split_three
 from zeal.compression.modules import linear_targets
 from zeal.compression.pipeline import CompressJob, compress_model
 from zeal.compression.search import Choice, apply_choice, compression_ratio, layer_sensitivity, search
@@ -45,43 +48,77 @@ def _searched(model, calib, evals, budget: float) -> tuple[float, float, dict]:
         "mixed_ratio": round(compression_ratio(sizes, picks), 4), "choices": counts}
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=5e-5)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--loss", choices=("ce", "kd"), default="ce", help="fine-tuning loss of every method")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--calib-blocks", type=int, default=8)
-    ap.add_argument("--eval-blocks", type=int, default=8)
+    ap.add_argument("--eval-blocks", type=int, default=16)
+    ap.add_argument("--admm-metric", choices=("activation", "euclidean"), default="activation")
+    ap.add_argument("--admm-penalty", choices=("prox", "grad"), default="prox")
+    ap.add_argument("--admm-fraction", type=float, default=0.25)
+    ap.add_argument("--admm-interval", type=int, default=1)
+    ap.add_argument("--rho", type=float, default=0.3)
+    ap.add_argument("--rho-max", type=float, default=10.0)
+    ap.add_argument("--only", default=None, help="comma-separated substrings of the run names to run")
     ap.add_argument("--search", action="store_true", help="also the per-layer search (layers x 4 evaluations)")
-    args = ap.parse_args()
-    base, tok, _ = load_model_and_tokenizer(resolve_model_path(None), torch.float32)
-    ctext, etext = split_text(None)
-    calib = blocks(tok.encode(ctext, add_special_tokens=False), args.seq_len, args.calib_blocks)
-    evals = blocks(tok.encode(etext, add_special_tokens=False), args.seq_len, args.eval_blocks)
+    return ap.parse_args()
+
+
+def _runs(args: argparse.Namespace) -> dict[str, CompressJob]:
     k = args.steps
+    common = {"steps": k, "lr": args.lr, "batch": args.batch, "loss": args.loss}
+    admm = {"admm_metric": args.admm_metric, "admm_penalty": args.admm_penalty, "admm_fraction": args.admm_fraction,
+            "admm_interval": args.admm_interval, "rho": args.rho, "rho_max": args.rho_max}
+    ka = int(k * args.admm_fraction)
     runs = {
         "2:4 magnitude one-shot": CompressJob(2, 4, "magnitude"),
         "2:4 wanda one-shot": CompressJob(2, 4, "wanda"),
-        f"2:4 magnitude + {k} steps": CompressJob(2, 4, "magnitude", steps=k, lr=args.lr),
-        f"2:4 wanda + {k} steps": CompressJob(2, 4, "wanda", steps=k, lr=args.lr),
-        f"2:4 admm {k // 2} + {k - k // 2} steps": CompressJob(2, 4, "admm", steps=k, lr=args.lr),
+        f"2:4 magnitude + {k} steps": CompressJob(2, 4, "magnitude", **common),
+        f"2:4 wanda + {k} steps": CompressJob(2, 4, "wanda", **common),
+        f"2:4 admm {ka} + {k - ka} steps": CompressJob(2, 4, "admm", **common, **admm),
         "int8 PTQ": CompressJob(None, 4, bits=8),
         "int4 PTQ": CompressJob(None, 4, bits=4),
-        f"int4 QAT {k} steps": CompressJob(None, 4, bits=4, steps=k, lr=args.lr),
+        f"int4 QAT {k} steps": CompressJob(None, 4, bits=4, **common),
         "int4 g32 PTQ": CompressJob(None, 4, bits=4, group_size=32),
     }
     if k == 0:  # one-shot only
         runs = {name: job for name, job in runs.items() if "steps" not in name}
+    if args.only:
+        keys = [x.strip() for x in args.only.split(",") if x.strip()]
+        runs = {name: job for name, job in runs.items() if any(x in name for x in keys)}
+    return runs
+
+
+def main() -> None:
+    args = _args()
+    base, tok, _ = load_model_and_tokenizer(resolve_model_path(None), torch.float32)
+    ctext, ttext, etext = split_three(None)
+    calib = blocks(tok.encode(ctext, add_special_tokens=False), args.seq_len, args.calib_blocks)
+    train = blocks(tok.encode(ttext, add_special_tokens=False), args.seq_len)
+    evals = blocks(tok.encode(etext, add_special_tokens=False), args.seq_len, args.eval_blocks)
+    epochs = args.steps * args.batch / train.shape[0]
+    print(f"calibration {calib.shape[0]}, fine-tuning {train.shape[0]}, evaluation {evals.shape[0]} blocks of "
+          f"{args.seq_len} tokens; {args.steps} steps x {args.batch} blocks = {epochs:.2f} epochs", flush=True)
     t0 = time.perf_counter()
     dense = perplexity(base, evals)
     results = {"dense": round(dense, 3)}
     print(f"{'dense':<32} ppl {dense:9.3f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
-    for name, job in runs.items():
+    for name, job in _runs(args).items():
         t0 = time.perf_counter()
         model = copy.deepcopy(base)
-        ppl = compress_model(model, calib, evals, job, log=lambda _: None, before=dense).ppl_after
-        results[name] = round(ppl, 3)
-        print(f"{name:<32} ppl {ppl:9.3f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+        report = compress_model(model, calib, evals, job, log=lambda _: None, before=dense, train=train)
+        results[name] = round(report.ppl_after, 3)
+        extra = ""
+        if report.admm_residuals:
+            r0, r1 = report.admm_residuals[0], report.admm_residuals[-1]
+            extra = (f"  primal/|W| {r0.primal_rel:.3f} -> {r1.primal_rel:.4f}, dual {r0.dual:.3g} -> {r1.dual:.3g}, "
+                     f"rho -> {r1.rho:.3g}")
+            results[name + " primal_rel"] = [round(r.primal_rel, 5) for r in report.admm_residuals]
+        print(f"{name:<32} ppl {report.ppl_after:9.3f}   ({time.perf_counter() - t0:.0f} s){extra}", flush=True)
         del model
     if args.search:
         t0 = time.perf_counter()

@@ -5,7 +5,8 @@
 
 No --model: the embedded SmolLM2-135M-Instruct. No --data: Python's documentation
 topics (pydoc_data), every fifth topic held out for the perplexity printed before and
-after. The output folder loads in `zeal serve DIR` and, in the compressed-tensors
+after, every fifth other one the calibration text (Wanda's activation norms), the rest
+the fine-tuning text (--steps); a --data FILE is split the same way by paragraphs. The output folder loads in `zeal serve DIR` and, in the compressed-tensors
 format, in vLLM and llm-compressor (int4/int8 weights packed with their scales; the
 2:4 zeros are stored as values, recorded in the config when the weights are quantized).
 """
@@ -29,12 +30,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--method", choices=("admm", "magnitude", "wanda"), default="magnitude", help="how to prune")
     p.add_argument("--bits", type=int, choices=(8, 4), default=None, help="weight bits (QAT with --steps, else PTQ)")
     p.add_argument("--group-size", type=int, default=None, help="weights per scale (default: per output channel)")
-    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the calibration text (ADMM: half "
-                   "ADMM, half masked fine-tuning); 0 = one-shot")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the fine-tuning text (ADMM: the "
+                   "first quarter ADMM, the rest masked fine-tuning); 0 = one-shot")
     p.add_argument("--lr", type=float, default=1e-5, help="fine-tuning learning rate (AdamW)")
+    p.add_argument("--loss", choices=("ce", "kd"), default="ce", help="fine-tuning loss: next-token cross-entropy "
+                   "or distillation from the uncompressed model (KL on the logits)")
     p.add_argument("--data", default=None, metavar="FILE", help="calibration text (default: pydoc_data topics)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per block")
-    p.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks (Wanda norms, fine-tuning)")
+    p.add_argument("--calib-blocks", type=int, default=32, help="calibration blocks (Wanda norms); fine-tuning "
+                   "takes up to max(this, 2 x --steps) blocks of its own text")
     p.add_argument("--eval-blocks", type=int, default=16, help="held-out blocks for perplexity")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--format", choices=("compressed-tensors", "dense"), default="compressed-tensors",
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     """Load, compress, report perplexity, write the folder."""
     import torch
 
-    from zeal.compression.calibration import blocks, split_text
+    from zeal.compression.calibration import blocks, split_three
     from zeal.compression.pipeline import CompressJob, compress_model
     from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
 
@@ -73,13 +77,16 @@ def run(args: argparse.Namespace) -> int:
     if type(model).__name__ != "Llama":
         raise ValueError(f"--model {str(src)!r}: zeal compress writes Llama-family folders, not "
                          f"{type(model).__name__}")
-    calib_text, eval_text = split_text(args.data)
-    calib = blocks(tok.encode(calib_text, add_special_tokens=False), args.seq_len, args.calib_blocks)
-    evals = blocks(tok.encode(eval_text, add_special_tokens=False), args.seq_len, args.eval_blocks)
-    print(f"model {src}; calibration {calib.shape[0]}x{args.seq_len} tokens, evaluation {evals.shape[0]}x{args.seq_len}")
     job = CompressJob(n=n, m=m, method=args.method, bits=args.bits, group_size=args.group_size, steps=args.steps,
-                      lr=args.lr)
-    report = compress_model(model, calib, evals, job)
+                      lr=args.lr, loss=args.loss)
+    calib_text, train_text, eval_text = split_three(args.data)
+    calib = blocks(tok.encode(calib_text, add_special_tokens=False), args.seq_len, args.calib_blocks)
+    train = blocks(tok.encode(train_text, add_special_tokens=False), args.seq_len,
+                   max(args.calib_blocks, job.batch * args.steps))
+    evals = blocks(tok.encode(eval_text, add_special_tokens=False), args.seq_len, args.eval_blocks)
+    print(f"model {src}; calibration {calib.shape[0]}x{args.seq_len} tokens, fine-tuning {train.shape[0]}x"
+          f"{args.seq_len}, evaluation {evals.shape[0]}x{args.seq_len}")
+    report = compress_model(model, calib, evals, job, train=train)
     write_folder(model, src, Path(args.out), report.targets, job, args.format)
     print(json.dumps({"ppl_before": round(report.ppl_before, 4), "ppl_after": round(report.ppl_after, 4),
                       "seconds": round(report.seconds, 1), "out": args.out}))
