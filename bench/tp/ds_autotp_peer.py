@@ -30,12 +30,13 @@ def _count(world: int, box: dict):
     def wrap(name: str, factor: float):
         real = getattr(dist, name)
 
-        def counted(tensor, *args, **kwargs):
+        def counted(*args, **kwargs):
             if box["on"]:
-                t = tensor[0] if isinstance(tensor, list) else tensor
+                t = args[0] if args else kwargs.get("tensor", kwargs.get("output_tensor"))
+                t = t[0] if isinstance(t, list) else t
                 box["bytes"] += int(t.numel() * t.element_size() * factor)
                 box["ops"][name] = box["ops"].get(name, 0) + 1
-            return real(tensor, *args, **kwargs)
+            return real(*args, **kwargs)
 
         setattr(dist, name, counted)
 
