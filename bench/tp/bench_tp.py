@@ -1,7 +1,10 @@
 """Tensor parallelism: zeal's TP step beside PyTorch's own (``parallelize_module`` with the
 same ColwiseParallel / RowwiseParallel plan), same model, same batch, same ranks.
 
-    flock /tmp/zeal-heavy.lock python bench/tp/bench_tp.py [--world 4] [--steps 6]
+    flock /tmp/zeal-heavy.lock python bench/tp/bench_tp.py [--world 4] [--steps 6] [--ds /work/peers/ds/bin/python]
+
+With ``--ds PYTHON`` (DeepSpeed 0.19.8's own venv), DeepSpeed AutoTP trains the same model
+in the same run (``ds_autotp_peer.py``, ``DS_ACCELERATOR=cpu``) and is printed beside.
 
 A small Hugging Face Llama (GQA), fp32, gloo on CPU, TP = world (no data parallelism).
 Printed per framework: median step time (forward, backward, AdamW step) and the bytes
@@ -110,10 +113,31 @@ def _rank(rank: int, world: int, port: int, steps: int, q) -> None:
     dist.destroy_process_group()
 
 
+def _deepspeed(python: str, world: int, steps: int, zeal_time: float, zeal_bytes: int) -> None:
+    """DeepSpeed AutoTP's figures (its own venv, a subprocess) beside zeal's, or its failure."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_autotp_peer.py")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    run = subprocess.run([python, script, "--world", str(world), "--steps", str(steps)], capture_output=True,
+                         text=True, timeout=600, env=env)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
+    out = json.loads(lines[-1]) if lines else {"error": (run.stderr.strip().splitlines() or ["no output"])[-1]}
+    if "error" in out:
+        print(f"DeepSpeed AutoTP failed: {out['error']}")
+        return
+    d = statistics.median(out["times"][1:])
+    print(f"step time   zeal {zeal_time * 1e3:8.1f} ms   DeepSpeed AutoTP {d * 1e3:8.1f} ms   zeal/DS {zeal_time / d:.2f}x")
+    print(f"tp bytes    zeal {zeal_bytes:>10}   DeepSpeed AutoTP {out['bytes']:>10}   "
+          f"zeal/DS {zeal_bytes / max(out['bytes'], 1):.2f}x   (DS collectives: {out['ops']})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--ds", default=None, help="DeepSpeed's venv python: run AutoTP beside (ds_autotp_peer.py)")
     a = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,6 +162,8 @@ def main() -> None:
     print(f"tp bytes    zeal {total:>10}   torch TP {tb:>10}   zeal/torch {total / max(tb, 1):.2f}x")
     print(f"  zeal layers (activation) {act:>10}   Megatron formula {formula:>10}")
     print(f"  zeal vocab-parallel      {voc:>10}   formula (emb + head 2·b·s·h each, CE 3·b·s) {vocab:>10}")
+    if a.ds:
+        _deepspeed(a.ds, a.world, a.steps, z, total)
 
 
 if __name__ == "__main__":

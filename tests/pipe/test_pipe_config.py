@@ -23,7 +23,12 @@ def test_stage3_with_stages_is_refused():
 
 
 @pytest.mark.parametrize("section,accum,model,message", [
-    ({"size": 2, "schedule": "interleaved"}, 4, _gpt, "schedule 'interleaved'"),
+    ({"size": 2, "schedule": "interleaved"}, 4, _gpt, "'interleaved' needs pipeline_parallel.virtual_stages >= 2"),
+    ({"size": 2, "virtual_stages": 2}, 4, _gpt, "virtual_stages 2 needs schedule 'interleaved'"),
+    ({"size": 2, "schedule": "interleaved", "virtual_stages": 2}, 3, _gpt,
+     "micro_batches 3 is not a multiple of pipeline_parallel.size 2"),
+    ({"size": 2, "schedule": "interleaved", "virtual_stages": 2}, 4, _gpt,
+     "2 blocks do not divide into pipeline_parallel.size 2 x pipeline_parallel.virtual_stages 2"),
     ({"size": 2, "micro_batches": 8}, 4, _gpt, "micro_batches 8 != gradient_accumulation_steps 4"),
     ({"size": 2}, 4, lambda: nn.Linear(2, 2), "cannot split a Linear"),
     ({"size": 3}, 4, _gpt, "cannot split 2 layers into 3"),

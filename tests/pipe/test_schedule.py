@@ -18,7 +18,7 @@ from zeal.pipe.schedule import Step, bubble_formula, gpipe, one_f_one_b, peak_in
 
 
 def _kinds(steps):
-    return " ".join(f"{k}{m}" for k, m in steps)
+    return " ".join(f"{k}{m}" + (f".{c}" if c else "") for k, m, c in steps)
 
 
 def test_hand_written_lists():
@@ -36,7 +36,7 @@ def test_every_micro_batch_once_and_peak_memory(stages, micro):
             assert sorted(steps) == sorted([Step("F", m) for m in range(micro)] + [Step("B", m) for m in range(micro)])
             for m in range(micro):
                 assert steps.index(Step("F", m)) < steps.index(Step("B", m))
-            assert [m for k, m in steps if k == "B"] == list(range(micro))  # backwards in order
+            assert [m for k, m, _ in steps if k == "B"] == list(range(micro))  # backwards in order
         assert peak_in_flight(one_f_one_b(s, stages, micro)) == min(stages - s, micro) <= stages
         assert peak_in_flight(gpipe(s, stages, micro)) == micro
 
@@ -48,8 +48,12 @@ def test_bubble_matches_the_formula(stages, micro):
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="interleaved"):
-        schedule("interleaved", 0, 2, 4)
+    with pytest.raises(ValueError, match="'zigzag' is not implemented"):
+        schedule("zigzag", 0, 2, 4)
+    with pytest.raises(ValueError, match="a multiple of the stages"):
+        schedule("interleaved", 0, 2, 3, chunks=2)
+    with pytest.raises(ValueError, match="runs one model chunk per stage"):
+        schedule("1f1b", 0, 2, 4, chunks=2)
     with pytest.raises(ValueError, match="stage 2 of 2"):
         one_f_one_b(2, 2, 4)
 

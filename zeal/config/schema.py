@@ -265,7 +265,10 @@ class PipelineConfig(Section):
                                 "given, they must agree).")
     schedule: Literal["1f1b", "gpipe", "interleaved"] = Field(
         "1f1b", description="1f1b (at most `size` micro-batches in flight), gpipe (all forwards, then all "
-                            "backwards); interleaved is refused (not implemented).")
+                            "backwards), interleaved (Megatron's 1F1B over `virtual_stages` model chunks per stage).")
+    virtual_stages: int = Field(
+        1, ge=1, description="Model chunks per stage for the interleaved schedule (Megatron's "
+                             "virtual_pipeline_model_parallel_size): >= 2 with 'interleaved', else 1.")
     partition_method: Literal["parameters", "uniform"] = Field(
         "parameters", description="How a zeal.pipe.PipelineModule's layers are split: balanced parameter "
                                   "counts, or equal layer counts.")

@@ -8,7 +8,8 @@ Two streams per rank:
   0's state). Random ops on *replicated* activations draw from it — the embedding
   dropout, GPT-2's residual dropout after a row-parallel output — so their masks agree
   over the group, as they must for the replicas to stay equal;
-* the tracker's ``"model-parallel-rng"`` state, seeded ``seed + 2718 + tp_rank``: random
+* the tracker's ``"model-parallel-rng"`` state, seeded ``seed + 100·pp_rank + 2718 +
+  tp_rank`` (Megatron's offsets: each pipeline stage its own streams): random
   ops inside a *split region* — between a split pair's input and its row-parallel output:
   attention dropout on this rank's heads, dropout on the column-parallel MLP hidden —
   run under :meth:`RNGTracker.fork`, so each rank's slice gets its own mask (with one
@@ -37,6 +38,7 @@ __all__ = ["MODEL_PARALLEL_RNG", "RNGTracker", "apply_rng_regions", "checkpoint_
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 SEED_OFFSET = 2718  # the model-parallel stream's offset from the seed (Megatron's)
+PP_SEED_STRIDE = 100  # added to the seed per pipeline stage (Megatron's)
 
 _State = tuple[torch.Tensor, "torch.Tensor | None"]  # (CPU state, CUDA state of the current device)
 
@@ -141,12 +143,13 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, tp_rank: int, tracker: RNGTracker | None = None) -> None:
-    """(Re)seed the tracker's model-parallel stream with ``seed + 2718 + tp_rank``; the
-    default generator is left alone (equal over the tp group)."""
+def model_parallel_seed(seed: int, tp_rank: int, tracker: RNGTracker | None = None, pp_rank: int = 0) -> None:
+    """(Re)seed the tracker's model-parallel stream with ``seed + 100·pp_rank + 2718 +
+    tp_rank`` (so the stages of a pipeline draw apart); the default generator is left
+    alone (equal over the tp group)."""
     tracker = tracker or _TRACKER
     tracker.reset()
-    tracker.add(MODEL_PARALLEL_RNG, seed + SEED_OFFSET + tp_rank)
+    tracker.add(MODEL_PARALLEL_RNG, seed + PP_SEED_STRIDE * pp_rank + SEED_OFFSET + tp_rank)
 
 
 def checkpoint_context(tracker: RNGTracker | None = None) -> tuple[Any, Any]:
@@ -192,14 +195,15 @@ class _Region:
             self.tracker.leave()
 
 
-def apply_rng_regions(model: nn.Module, tp: Any, seed: int, tracker: RNGTracker | None = None) -> int:
-    """Seed the tracker for ``tp``'s rank (:func:`model_parallel_seed`) and make each split
-    pair of ``model`` (``tp.modules``) a model-parallel RNG region. Returns the number of
-    regions."""
+def apply_rng_regions(model: nn.Module, tp: Any, seed: int, tracker: RNGTracker | None = None,
+                      pp_rank: int = 0) -> int:
+    """Seed the tracker for ``tp``'s rank and pipeline stage ``pp_rank``
+    (:func:`model_parallel_seed`) and make each split pair of ``model`` (``tp.modules``) a
+    model-parallel RNG region. Returns the number of regions."""
     from zeal.parallel.tensor import _attention_pair, _mlp_pair
 
     tracker = tracker or _TRACKER
-    model_parallel_seed(seed, tp.rank, tracker)
+    model_parallel_seed(seed, tp.rank, tracker, pp_rank=pp_rank)
     n = 0
     for name in tp.modules:
         mod = model.get_submodule(name)

@@ -12,8 +12,9 @@ attention's head-count attributes and the row linears' ``forward`` change.
 
 What stays whole on every tp rank: norms, position embeddings and the row linears'
 biases; the token embedding and the LM head too when the tp size does not divide the
-vocabulary (or under pipeline parallelism, or when serving) — otherwise training splits
-them by vocabulary rows with a vocabulary-parallel cross-entropy
+vocabulary (or for a PipelineModule's layers, or when serving) — otherwise training splits
+them by vocabulary rows (under pipeline parallelism: the first stage's embedding, the last
+stage's head) with a vocabulary-parallel cross-entropy
 (:mod:`zeal.parallel.vocab`, applied after this step). These *replicated* parameters get
 identical gradients on every tp rank because every column pair all-reduces its input
 gradient. GQA key/value

@@ -6,7 +6,7 @@ Where the tp size ``T`` divides the vocabulary ``V`` (and there is no pipeline),
 embedding/head stays one Parameter: the same slice). The splits are recorded in
 ``TensorParallel.splits`` (dim 0), so the gradient norm, the sharded-state API,
 checkpoints (a TP 2 save loads at TP 1) and ``engine.module_state_dict()`` see whole
-tensors. Where ``T`` does not divide ``V``, or under pipeline parallelism, or for a head
+tensors. Where ``T`` does not divide ``V``, for a ``PipelineModule``'s layers, or for a head
 that is not a plain ``nn.Linear``, the embedding and head stay whole (as
 :mod:`zeal.parallel.tensor` describes).
 
@@ -204,35 +204,80 @@ def _after_hook(vp: VocabParallel, module: nn.Module, args: tuple, kwargs: dict,
     return out
 
 
-def apply_vocab_parallel(model: nn.Module, tp: TensorParallel) -> VocabParallel | None:
+def apply_vocab_parallel(model: nn.Module, tp: TensorParallel, stage=None) -> VocabParallel | None:
     """Split ``model``'s LM head (an ``nn.Linear`` of ``V`` outputs) and its input embedding
     (``V`` rows; the same Parameter when tied) by vocabulary rows over ``tp``, recording the
     splits in ``tp.splits`` (including a tied alias's name, so state dicts come out whole).
     Returns None, leaving both whole, when the head is not a plain linear or ``tp.size``
-    does not divide ``V``."""
+    does not divide ``V``. ``stage``: this rank's pipeline stage
+    (:class:`zeal.pipe.stages.Stage`), whose part of the pair is split."""
+    if stage is not None:
+        return _apply_to_stage(model, tp, stage)
     head = _find_head(model)
     if head is None or head.out_features % tp.size:
         return None
     vp = VocabParallel(tp.comm, tp.size, tp.rank, head.out_features)
-    emb = _find_embedding(model, vp.vocab)
     split_of: dict[int, Split] = {}
+    emb = _find_embedding(model, vp.vocab)
     if emb is not None:
-        pad = emb.padding_idx
-        pad = pad - vp.start if pad is not None and vp.start <= pad < vp.start + vp.per_rank else None
-        split_of[id(emb.weight)] = _slice_rows(emb.weight, vp)
-        emb.num_embeddings = vp.per_rank
-        emb.forward = functools.partial(_embedding_forward, emb, vp, pad)
-    for p in (head.weight, head.bias):
-        if p is not None and id(p) not in split_of:
-            split_of[id(p)] = _slice_rows(p, vp)
-    head.out_features = vp.per_rank
-    head.forward = functools.partial(_head_forward, head, vp)
-    head.vocab_parallel = vp
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in split_of:
-            tp.splits.setdefault(name, split_of[id(p)])
+        _split_embedding(emb, vp, split_of)
+    _split_head(head, vp, split_of)
+    _record(model, tp, split_of)
     if isinstance(getattr(type(model), "loss_function", None), property):  # a Hugging Face model
         model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, vp)
         model.register_forward_pre_hook(functools.partial(_labels_hook, vp), with_kwargs=True)
         model.register_forward_hook(functools.partial(_after_hook, vp), with_kwargs=True)
     return vp
+
+
+def _apply_to_stage(model: nn.Module, tp: TensorParallel, stage) -> VocabParallel | None:
+    """The first stage's embedding and the last stage's head (zeal's GPT/Llama; every stage
+    decides alike from the model's vocabulary); a tied head's copy on the last stage is
+    sized to the slice (``stage.tied.shape``)."""
+    from zeal.pipe.module import PipelineModule
+
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(model, PipelineModule) or not isinstance(vocab, int) or vocab % tp.size:
+        return None
+    vp = VocabParallel(tp.comm, tp.size, tp.rank, vocab)
+    split_of: dict[int, Split] = {}
+    tied = stage.tied
+    if stage.first:
+        emb = _find_embedding(model, vocab)
+        if emb is None:
+            raise ValueError(f"vocabulary parallelism: no embedding of {vocab} rows on the first pipeline stage")
+        _split_embedding(emb, vp, split_of)
+        if tied is not None:
+            tied.shape = tuple(tied.param.shape)
+    if stage.last:
+        head = _find_head(model)
+        if head is None or head.out_features != vocab:
+            raise ValueError(f"vocabulary parallelism: no plain nn.Linear head of {vocab} outputs on the last stage")
+        if tied is not None and not stage.first:  # computed with the engine's copy: this rank's rows
+            tied.shape = (vp.per_rank, *tied.shape[1:])
+        _split_head(head, vp, split_of, weight=tied is None or stage.first)
+    _record(model, tp, split_of)
+    return vp
+
+
+def _split_embedding(emb: nn.Embedding, vp: VocabParallel, split_of: dict[int, Split]) -> None:
+    pad = emb.padding_idx
+    pad = pad - vp.start if pad is not None and vp.start <= pad < vp.start + vp.per_rank else None
+    split_of[id(emb.weight)] = _slice_rows(emb.weight, vp)
+    emb.num_embeddings = vp.per_rank
+    emb.forward = functools.partial(_embedding_forward, emb, vp, pad)
+
+
+def _split_head(head: nn.Linear, vp: VocabParallel, split_of: dict[int, Split], weight: bool = True) -> None:
+    for p in ((head.weight,) if weight else ()) + (head.bias,):
+        if p is not None and id(p) not in split_of:
+            split_of[id(p)] = _slice_rows(p, vp)
+    head.out_features = vp.per_rank
+    head.forward = functools.partial(_head_forward, head, vp)
+    head.vocab_parallel = vp
+
+
+def _record(model: nn.Module, tp: TensorParallel, split_of: dict[int, Split]) -> None:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in split_of:
+            tp.splits.setdefault(name, split_of[id(p)])

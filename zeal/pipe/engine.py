@@ -9,6 +9,10 @@ gradient norm and the fp16 overflow flag are summed over the stages too, so clip
 sees the whole model. Returns the mean loss over the micro-batches and the
 data-parallel ranks, on every rank.
 
+With the interleaved schedule a stage holds several model chunks (virtual stages):
+the passes name their chunk, activations of the last stage's chunks go on to the first
+stage's next chunk (the ring wraps), and gradients come back the same way.
+
 Each backward is framed by the engine's step hooks (``before_backward(boundary)`` with
 the boundary on this stage's last backward of the step, then ``after_backward``), so
 ZeRO's gradient reduction works as under gradient accumulation.
@@ -84,37 +88,37 @@ class PipelineEngine(TrainEngine):
         m_count = p.grad_accum
         batches = self._draw(data_iter, m_count)
         self.module.train()
-        steps = schedule(self.schedule_name, self.stage.index, self.stage.count, m_count)
+        steps = schedule(self.schedule_name, self.stage.index, self.stage.count, m_count, self.stage.chunks)
         scale = (p.scaler.scale if p.scaler else 1.0) / m_count
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
         losses: list[torch.Tensor] = []
         sends: list = []
-        backwards = 0
+        backwards, total = 0, m_count * self.stage.chunks
         self.bubble_time = self.busy_time = 0.0
         self.peak_in_flight = 0
-        for kind, m in steps:
+        for kind, m, c in steps:
             if kind == "F":
-                x, out = self._forward(m, batches)
-                inputs[m] = x
-                if self.stage.last:
+                x, out = self._forward(m, c, batches)
+                inputs[m, c] = x
+                if self.stage.ends(c):
                     losses.append(out.detach())
                 else:
                     sends += self._send_activation(out.detach())
-                outputs[m] = out
+                outputs[m, c] = out
                 self.peak_in_flight = max(self.peak_in_flight, len(outputs))
                 continue
-            boundary = backwards == m_count - 1
-            x, out = inputs.pop(m), outputs.pop(m)
-            roots, grads = self._backward_roots(out, scale, boundary)
+            boundary = backwards == total - 1
+            x, out = inputs.pop((m, c)), outputs.pop((m, c))
+            roots, grads = self._backward_roots(out, c, scale, boundary)
             t0 = time.perf_counter()
             run_hooks(self._hooks, "before_backward", boundary)
             torch.autograd.backward(roots, grads)
             run_hooks(self._hooks, "after_backward")
             self.busy_time += time.perf_counter() - t0
             backwards += 1
-            if not self.stage.first:
-                sends.append(self.pp.isend(x.grad, self.stage.index - 1, "grad", TAG_GRAD))
+            if not self.stage.starts(c):
+                sends.append(self.pp.isend(x.grad, self._prev, "grad", TAG_GRAD))
             if boundary and self.stage.last and self.stage.tied is not None and not self.stage.first:
                 sends.append(self._send_tied_grad())
         for w in sends:
@@ -124,14 +128,17 @@ class PipelineEngine(TrainEngine):
 
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterable | None = None) -> torch.Tensor:
-        """The mean loss of ``gradient_accumulation_steps`` micro-batches, forward only."""
-        batches = self._draw(data_iter, self._p.grad_accum)
+        """The mean loss of ``gradient_accumulation_steps`` micro-batches, forward only
+        (the schedule's forwards, in its order)."""
+        m_count = self._p.grad_accum
+        batches = self._draw(data_iter, m_count)
         was = self.module.training
         self.module.eval()
         losses, sends = [], []
-        for m in range(self._p.grad_accum):
-            _, out = self._forward(m, batches)
-            if self.stage.last:
+        steps = schedule(self.schedule_name, self.stage.index, self.stage.count, m_count, self.stage.chunks)
+        for _, m, c in (s for s in steps if s.kind == "F"):
+            _, out = self._forward(m, c, batches)
+            if self.stage.ends(c):
                 losses.append(out)
             else:
                 sends += self._send_activation(out)
@@ -139,6 +146,15 @@ class PipelineEngine(TrainEngine):
             w.wait()
         self.module.train(was)
         return self._mean_loss(losses)
+
+    @property
+    def _next(self) -> int:
+        """The stage after this one (the last stage's next is the first: virtual stages wrap)."""
+        return (self.stage.index + 1) % self.stage.count
+
+    @property
+    def _prev(self) -> int:
+        return (self.stage.index - 1) % self.stage.count
 
     # -- pieces ------------------------------------------------------------------------------
     def _draw(self, data_iter: Iterable | None, count: int) -> list:
@@ -153,25 +169,25 @@ class PipelineEngine(TrainEngine):
         it = iter(data_iter)
         return [split_batch(next(it)) for _ in range(count)]
 
-    def _forward(self, m: int, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.stage.first:
+    def _forward(self, m: int, c: int, batches: list) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.stage.starts(c):
             x = self._to_device(batches[m][0])
         else:
             x = self._recv_activation()
             if torch.is_grad_enabled() and x.is_floating_point():
                 x.requires_grad_(True)
         t0 = time.perf_counter()
-        out = self.stage.forward(x)
-        if self.stage.last:
+        out = self.stage.forwards[c](x)
+        if self.stage.ends(c):
             out = self.stage.loss(out, self._to_device(batches[m][1]))
         self.busy_time += time.perf_counter() - t0
         return x, out
 
-    def _backward_roots(self, out: torch.Tensor, scale: float, boundary: bool) -> tuple[list, list]:
-        if self.stage.last:
+    def _backward_roots(self, out: torch.Tensor, c: int, scale: float, boundary: bool) -> tuple[list, list]:
+        if self.stage.ends(c):
             return [out.float()], [torch.full((), scale, device=out.device)]
         g = torch.empty_like(out)
-        self._wait(self.pp.irecv(g, self.stage.index + 1, "grad", TAG_GRAD))
+        self._wait(self.pp.irecv(g, self._next, "grad", TAG_GRAD))
         roots, grads = [out], [g]
         tied = self.stage.tied
         if boundary and self.stage.first and tied is not None and not self.stage.last:
@@ -187,14 +203,14 @@ class PipelineEngine(TrainEngine):
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = _DTYPES.index(out.dtype), out.dim()
         header[2:2 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-        dst = self.stage.index + 1
+        dst = self._next
         out = out.contiguous()
         return [self.pp.isend(header.to(out.device), dst, "control", TAG_HEAD),
                 self.pp.isend(out, dst, "param", TAG_ACT)]
 
     def _recv_activation(self) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        src = self.stage.index - 1
+        src = self._prev
         self._wait(self.pp.irecv(header, src, "control", TAG_HEAD))
         code, ndim, *sizes = header.tolist()
         x = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=self.device)

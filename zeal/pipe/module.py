@@ -18,6 +18,10 @@ Each stage's forward takes one tensor (the batch's inputs on the first stage, th
 previous stage's output elsewhere) and returns one tensor; the last stage's output
 and the batch's labels go to ``loss_fn(output, labels)``.
 
+With ``virtual_stages=V`` (for the interleaved schedule) the layers are split into
+``num_stages·V`` ranges and stage ``s`` builds ranges ``s, s + num_stages, ...``, its
+model chunks; ``forward(x, chunk=c)`` runs chunk ``c``'s layers.
+
 As in DeepSpeed, ``seed_layers=True`` builds layer ``i`` under the seed ``base_seed + i``,
 so its initial values do not depend on which layers this rank builds (the global RNG
 is left as it was). ``activation_checkpoint_interval=k`` recomputes each group of ``k``
@@ -118,36 +122,45 @@ class PipelineModule(nn.Module):
 
     def __init__(self, layers: Sequence[Any], loss_fn: Callable | None = None, num_stages: int | None = None,
                  partition_method: str = "parameters", stage_id: int | None = None, seed_layers: bool = False,
-                 base_seed: int = 1234, activation_checkpoint_interval: int = 0) -> None:
+                 base_seed: int = 1234, activation_checkpoint_interval: int = 0, virtual_stages: int = 1) -> None:
         super().__init__()
         if not layers:
             raise ValueError("PipelineModule needs at least one layer")
         if num_stages is None:
             raise ValueError("PipelineModule needs num_stages (the config's pipeline_parallel.size)")
-        self.num_stages = num_stages
+        if virtual_stages < 1 or virtual_stages > 1 and len(layers) < num_stages * virtual_stages:
+            raise ValueError(f"{len(layers)} layers do not divide into num_stages {num_stages} x virtual_stages "
+                             f"{virtual_stages} non-empty chunks")
+        self.num_stages, self.virtual_stages = num_stages, virtual_stages
         self.loss_fn = loss_fn
         method = partition_method.lower()
+        parts = num_stages * virtual_stages
         if method == "parameters":
-            self.parts = partition_balanced([count_parameters(x) for x in layers], self.num_stages)
+            self.parts = partition_balanced([count_parameters(x) for x in layers], parts)
         elif method == "uniform":
-            self.parts = partition_uniform(len(layers), self.num_stages)
+            self.parts = partition_uniform(len(layers), parts)
         else:
             raise ValueError(f"partition_method {partition_method!r}: use 'parameters' or 'uniform'")
         self.stage_id = _env_stage(self.num_stages) if stage_id is None else stage_id
         if not 0 <= self.stage_id < self.num_stages:
             raise ValueError(f"stage_id {self.stage_id} is not a stage of {self.num_stages}")
-        lo, hi = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        self.layers = nn.ModuleList(_as_module(x, base_seed + i if seed_layers else None) if lo <= i < hi
+        self._chunks = [self.chunk_layers(self.stage_id, c) for c in range(virtual_stages)]
+        mine = {i for r in self._chunks for i in r}
+        self.layers = nn.ModuleList(_as_module(x, base_seed + i if seed_layers else None) if i in mine
                                     else nn.Identity() for i, x in enumerate(layers))
-        self._local = list(range(lo, hi))
         self.activation_checkpoint_interval = activation_checkpoint_interval
 
     def stage_layers(self, stage: int) -> range:
-        """The global indices of the layers of ``stage``."""
-        return range(self.parts[stage], self.parts[stage + 1])
+        """The global indices of the layers of ``stage`` (its chunk 0 with virtual stages)."""
+        return self.chunk_layers(stage, 0)
 
-    def forward(self, x: Any) -> Any:
-        layers = [self.layers[i] for i in self._local]
+    def chunk_layers(self, stage: int, chunk: int) -> range:
+        """The global indices of the layers of ``stage``'s model chunk ``chunk``."""
+        v = chunk * self.num_stages + stage
+        return range(self.parts[v], self.parts[v + 1])
+
+    def forward(self, x: Any, chunk: int = 0) -> Any:
+        layers = [self.layers[i] for i in self._chunks[chunk]]
         every = self.activation_checkpoint_interval
         if every <= 0 or not (self.training and torch.is_grad_enabled()):
             return _run(layers, x)

@@ -15,6 +15,12 @@
   the first stage's last backward of the step, and which receives the updated values
   after each step (DeepSpeed all-reduces the tied gradient between the two stages;
   the sum is the same).
+
+With ``chunks`` V > 1 (the interleaved schedule) the blocks are cut into ``count·V``
+equal chunks and stage ``index`` keeps chunks ``index, index + count, ...``: chunk ``c``
+of this stage is virtual stage ``c·count + index``. The embedding stays with virtual
+stage 0 (chunk 0 of the first stage), the norm, head and loss with the last virtual
+stage (chunk V - 1 of the last stage).
 """
 
 from __future__ import annotations
@@ -47,13 +53,14 @@ class TiedHead:
 
 @dataclass
 class Stage:
-    """``forward(x)``: the batch's inputs on the first stage, the previous stage's output
-    elsewhere → this stage's output; ``loss(output, labels)`` on the last stage."""
+    """``forwards[c](x)``: chunk ``c``'s pass (one chunk without interleaving) — the
+    batch's inputs on virtual stage 0, the previous virtual stage's output elsewhere →
+    its output; ``loss(output, labels)`` on the last stage (after its last chunk)."""
 
     module: nn.Module
     index: int
     count: int
-    forward: Callable[[Any], torch.Tensor]
+    forwards: list[Callable[[Any], torch.Tensor]]
     loss: Callable[[torch.Tensor, Any], torch.Tensor] | None
     tied: TiedHead | None = None
 
@@ -65,24 +72,39 @@ class Stage:
     def last(self) -> bool:
         return self.index == self.count - 1
 
+    @property
+    def chunks(self) -> int:
+        return len(self.forwards)
 
-def split_model(model: nn.Module, index: int, count: int) -> Stage:
-    """This rank's stage ``index`` of ``count`` (the model is changed in place)."""
+    def starts(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the model's first virtual stage (takes the inputs)."""
+        return self.first and chunk == 0
+
+    def ends(self, chunk: int) -> bool:
+        """Whether ``chunk`` of this stage is the model's last virtual stage (gives the loss)."""
+        return self.last and chunk == self.chunks - 1
+
+
+def split_model(model: nn.Module, index: int, count: int, chunks: int = 1) -> Stage:
+    """This rank's stage ``index`` of ``count``, in ``chunks`` model chunks (the model
+    is changed in place)."""
     if isinstance(model, PipelineModule):
-        if model.num_stages != count or model.stage_id != index:
-            raise ValueError(f"PipelineModule was built for stage {model.stage_id} of {model.num_stages}; this rank "
-                             f"is stage {index} of {count} (pipeline_parallel.size)")
+        if model.num_stages != count or model.stage_id != index or model.virtual_stages != chunks:
+            raise ValueError(f"PipelineModule was built for stage {model.stage_id} of {model.num_stages} with "
+                             f"virtual_stages {model.virtual_stages}; this rank is stage {index} of {count} "
+                             f"(pipeline_parallel.size) with pipeline_parallel.virtual_stages {chunks}")
         loss = (lambda out, labels: model.loss_fn(out, labels)) if model.loss_fn is not None else None
         if index == count - 1 and loss is None:
             raise ValueError("PipelineModule needs a loss_fn for training")
-        return Stage(model, index, count, model.forward, loss)
+        forwards = [lambda x, c=c: model(x, chunk=c) for c in range(chunks)]
+        return Stage(model, index, count, forwards, loss)
     from zeal.models.gpt import GPT
     from zeal.models.llama import Llama
 
     if isinstance(model, GPT):
-        return _split_decoder(model, index, count, _GPT_PARTS)
+        return _split_decoder(model, index, count, chunks, _GPT_PARTS)
     if isinstance(model, Llama):
-        return _split_decoder(model, index, count, _LLAMA_PARTS)
+        return _split_decoder(model, index, count, chunks, _LLAMA_PARTS)
     raise ValueError(f"pipeline parallelism cannot split a {type(model).__name__}: give a zeal GPT or Llama, "
                      "or a zeal.pipe.PipelineModule")
 
@@ -99,11 +121,15 @@ _GPT_PARTS = _Parts("transformer", "h", ("wte", "wpe", "drop"), "ln_f")
 _LLAMA_PARTS = _Parts("model", "layers", ("embed_tokens",), "norm")
 
 
-def _split_decoder(model: nn.Module, index: int, count: int, parts: _Parts) -> Stage:
+def _split_decoder(model: nn.Module, index: int, count: int, chunks: int, parts: _Parts) -> Stage:
     trunk = getattr(model, parts.trunk)
     blocks: nn.ModuleList = getattr(trunk, parts.blocks)
-    bounds = partition_uniform(len(blocks), count)
-    mine = range(bounds[index], bounds[index + 1])
+    if chunks > 1 and len(blocks) % (count * chunks):
+        raise ValueError(f"{len(blocks)} blocks do not divide into pipeline_parallel.size {count} x "
+                         f"pipeline_parallel.virtual_stages {chunks} equal chunks")
+    bounds = partition_uniform(len(blocks), count * chunks)
+    ranges = [range(bounds[c * count + index], bounds[c * count + index + 1]) for c in range(chunks)]
+    mine = {i for r in ranges for i in r}
     first, last = index == 0, index == count - 1
     embed = getattr(trunk, parts.embeds[0])
     tied_now = model.lm_head.weight is embed.weight
@@ -124,26 +150,28 @@ def _split_decoder(model: nn.Module, index: int, count: int, parts: _Parts) -> S
         if last:
             del model.lm_head.weight  # computed with a copy the engine installs (not a parameter)
             tied.owner = model.lm_head
-    kept = [blocks[i] for i in mine]
     is_llama = parts is _LLAMA_PARTS
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if first:
-            ids = x
-            positions = torch.arange(ids.shape[-1], device=ids.device)
+    def chunk_forward(kept: list[nn.Module], embeds: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if embeds:
+                ids = x
+                positions = torch.arange(ids.shape[-1], device=ids.device)
+                if is_llama:
+                    x = trunk.embed_tokens(ids)
+                else:
+                    x = trunk.drop(trunk.wte(ids) + trunk.wpe(positions))
             if is_llama:
-                x = trunk.embed_tokens(ids)
-            else:
-                x = trunk.drop(trunk.wte(ids) + trunk.wpe(positions))
-        if is_llama:
-            rope = model.rope(torch.arange(x.shape[-2], device=x.device), x.dtype)
-            return run_blocks(kept, x, model.checkpoint_policy, rope)
-        return run_blocks(kept, x, model.checkpoint_policy)  # the policy activation checkpointing set
+                rope = model.rope(torch.arange(x.shape[-2], device=x.device), x.dtype)
+                return run_blocks(kept, x, model.checkpoint_policy, rope)
+            return run_blocks(kept, x, model.checkpoint_policy)  # the policy activation checkpointing set
+        return forward
 
     def loss(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(model.lm_head, getattr(trunk, parts.norm)(x), labels, model.checkpoint_policy)
 
-    return Stage(model, index, count, forward, loss if last else None, tied)
+    forwards = [chunk_forward([blocks[i] for i in r], first and c == 0) for c, r in enumerate(ranges)]
+    return Stage(model, index, count, forwards, loss if last else None, tied)
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:

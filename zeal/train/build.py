@@ -113,10 +113,10 @@ def initialize(
     token_drop = _token_drop(model, cfg)
     compression = apply_compression(model, cfg.compression)
     tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
-    if tp is not None and mesh.pp_size == 1:  # embedding and head split by vocabulary rows where T divides V
-        apply_vocab_parallel(model, tp)
-    if tp is not None:  # random ops inside split pairs draw from a per-tp-rank stream
-        apply_rng_regions(model, tp, cfg.seed)
+    if tp is not None:  # embedding and head split by vocabulary rows where T divides V (per pipeline stage)
+        apply_vocab_parallel(model, tp, stage)
+    if tp is not None:  # random ops inside split pairs draw from a per-tp-rank (and per-pp-stage) stream
+        apply_rng_regions(model, tp, cfg.seed, pp_rank=mesh.pp_rank)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
