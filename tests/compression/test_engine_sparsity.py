@@ -35,7 +35,7 @@ def _config(stage: int, method: str) -> dict:
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "compression": {"sparsity": {"enabled": True, "pattern": "2:4", "method": method, "modules": ["l1", "l2"],
                                      "prune_step": 3 if method == "admm" else 0, "admm_interval": 1,
-                                     "rho": 0.05, "rho_growth": 1.5}},
+                                     "rho": 0.05, "rho_growth": 1.5, "rho_max": 1.0, "admm_penalty": "grad"}},
     }
 
 

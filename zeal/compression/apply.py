@@ -22,9 +22,9 @@ from zeal.compression.modules import QATLinear, QuantSpec, linear_targets, swap_
 from zeal.compression.nm import check_groupable, parse_pattern
 from zeal.compression.sharded import ShardedParams, TargetSpec
 from zeal.config import ConfigError
-from zeal.config.compression import CompressionConfig, QuantizationConfig
+from zeal.config.compression import CompressionConfig, QuantizationConfig, SparsityConfig
 
-__all__ = ["CompressionParts", "QuantScheduleHook", "apply_compression"]
+__all__ = ["CompressionParts", "QuantScheduleHook", "apply_compression", "rho_schedule"]
 
 
 @dataclass
@@ -48,12 +48,21 @@ class CompressionParts:
             sc = self.cfg.sparsity
             sp = ShardedParams(zopt.units, zopt.masters, zopt.stage.owned_start, zopt.stage.partitions_optimizer,
                                comm, self.sparse)
-            schedule = SparsitySchedule(sc.method, sc.prune_step, sc.admm_interval,
-                                        RhoSchedule(sc.rho, sc.rho_growth, sc.rho_max))
+            schedule = SparsitySchedule(sc.method, sc.prune_step, sc.admm_interval, rho_schedule(sc), sc.admm_penalty)
             hooks.append(SparsityHook(sp, inner, zopt.write_back, schedule, verbose=sc.log_residuals))
         if self.qat:
             hooks.append(QuantScheduleHook(list(self.qat.values()), self.cfg.quantization))
         return hooks
+
+
+def rho_schedule(sc: SparsityConfig) -> RhoSchedule:
+    """ρ's schedule: ``rho_growth`` as given, or (None) the geometric growth from ``rho`` at the
+    first Z-step to ``rho_max`` at the last one of the ADMM phase (as ``zeal compress``)."""
+    growth = sc.rho_growth
+    if growth is None:
+        zsteps = max(1, sc.prune_step // sc.admm_interval)
+        growth = (sc.rho_max / sc.rho) ** (1 / max(1, zsteps - 1))
+    return RhoSchedule(sc.rho, growth, sc.rho_max)
 
 
 class QuantScheduleHook:
@@ -91,6 +100,11 @@ def apply_compression(model: nn.Module, cfg: CompressionConfig) -> CompressionPa
         if sc.method == "admm" and sc.prune_step == 0:
             raise ConfigError("config key 'compression.sparsity.prune_step': method 'admm' needs an ADMM phase "
                               "(prune_step > 0)")
+        if sc.method == "admm" and sc.admm_metric == "activation":
+            raise ConfigError("config key 'compression.sparsity.admm_metric': 'activation' needs calibration "
+                              "statistics the engine does not gather; use 'euclidean' here or `zeal compress`")
+        if sc.method == "admm" and sc.rho > sc.rho_max:
+            raise ConfigError(f"config key 'compression.sparsity.rho': {sc.rho} is above rho_max {sc.rho_max}")
         n, m = parse_pattern(sc.pattern)
         targets = linear_targets(model, sc.modules, sc.exclude_modules)
         if not targets:

@@ -9,9 +9,12 @@ over the fp32 master shards, *before* ZeRO writes the masters back into the mode
 the model copy is masked too with no extra communication.
 
 :class:`SparsityHook` is the engine's step hook (:mod:`zeal.train.hooks`) for N:M
-sparsity learned during training: an ADMM phase (the penalty's gradient is added to the
-master shards' gradients by an optimizer pre-step hook, i.e. after unscaling and
-clipping, which see the task gradient only; Z/U are updated every ``admm_interval``
+sparsity learned during training: an ADMM phase (``penalty="prox"``: the penalty's exact
+proximal step, :meth:`~zeal.compression.admm.ADMM.prox_`, on the master shards by an
+optimizer post-step hook, i.e. after the update and before ZeRO writes the masters back;
+``"grad"``: the penalty's gradient added to the master shards' gradients by a pre-step
+hook, i.e. after unscaling and clipping, which see the task gradient only; either way
+elementwise on each rank's shard, no communication; Z/U are updated every ``admm_interval``
 optimizer steps), then hard pruning at ``prune_step`` (masks from the
 masters, masters and moments masked, the model re-synchronised) and masked retraining.
 """
@@ -68,6 +71,7 @@ class SparsitySchedule:
     prune_step: int = 0  # hard pruning after this many steps (0: at once)
     admm_interval: int = 1  # Z/U update every this many steps (ADMM phase)
     rho: RhoSchedule = RhoSchedule()
+    penalty: str = "grad"  # "prox" (proximal step after the optimizer step) or "grad"
 
 
 class SparsityHook:
@@ -89,7 +93,10 @@ class SparsityHook:
         self._remade = False
         if schedule.method == "admm" and schedule.prune_step > 0:
             self.admm = ADMM(sparse.masters(), self._project, schedule.rho, sparse.region(), sparse.sum_over_ranks)
-            self._pre = optimizer.register_step_pre_hook(lambda *_: self.admm.add_penalty_grad_())
+            if schedule.penalty == "prox":
+                self._pre = optimizer.register_step_post_hook(lambda *_: self.admm.prox_())
+            else:
+                self._pre = optimizer.register_step_pre_hook(lambda *_: self.admm.add_penalty_grad_())
         elif schedule.prune_step == 0:
             self.prune()  # the first forward already sees the pruned weights
             # Masks are made again before the first update, from the masters as they are then:

@@ -4,7 +4,7 @@ Example::
 
     "compression": {
       "sparsity": {"enabled": true, "pattern": "2:4", "method": "admm", "prune_step": 200,
-                   "admm_interval": 10, "rho": 0.001, "rho_growth": 1.2, "rho_max": 1.0},
+                   "admm_interval": 10, "admm_penalty": "prox", "rho": 0.3, "rho_max": 10.0},
       "quantization": {"enabled": true, "bits": 4, "group_size": 128, "activation_bits": 8}
     }
 
@@ -34,9 +34,20 @@ class SparsityConfig(Section):
     prune_step: int = Field(0, ge=0, description="Optimizer steps before hard pruning (0: prune at start); "
                             "for admm, the length of the ADMM phase (must then be > 0).")
     admm_interval: int = Field(10, ge=1, description="ADMM: Z and U are updated every this many optimizer steps.")
-    rho: float = Field(1e-3, gt=0, allow_inf_nan=False, description="ADMM penalty ρ at the start.")
-    rho_growth: float = Field(1.0, ge=1.0, allow_inf_nan=False, description="ρ is multiplied by this at every Z-step.")
-    rho_max: float = Field(1.0, gt=0, allow_inf_nan=False, description="Upper bound of ρ.")
+    admm_penalty: Literal["prox", "grad"] = Field(
+        "prox", description="ADMM: how the penalty ρ/2·‖W − Z + U‖² acts. prox: its exact proximal step on the "
+        "fp32 masters right after every optimizer step (as `zeal compress`, whose measured best it is); grad: "
+        "its gradient added to the masters' gradients (NxMTransformer's form; Adam normalises it, so ρ barely "
+        "matters there).")
+    admm_metric: Literal["euclidean", "activation"] = Field(
+        "euclidean", description="ADMM: the penalty's and projection's metric. Only euclidean in `zeal train`: "
+        "activation (`zeal compress`'s best, D_j = ‖X_j‖²) needs a calibration pass the engine does not run, "
+        "and is refused.")
+    rho: float = Field(0.3, gt=0, allow_inf_nan=False, description="ADMM penalty ρ at the start.")
+    rho_growth: float | None = Field(
+        None, ge=1.0, allow_inf_nan=False, description="ρ is multiplied by this at every Z-step (None: the "
+        "geometric growth that takes ρ from rho to rho_max over the ADMM phase's Z-steps).")
+    rho_max: float = Field(10.0, gt=0, allow_inf_nan=False, description="Upper bound of ρ.")
     log_residuals: bool = Field(False, description="Log ADMM's primal and dual residuals at every Z-step (rank 0).")
     modules: list[str] = Field(["*"], description="fnmatch patterns of the linear modules to sparsify.")
     exclude_modules: list[str] = Field(DEFAULT_EXCLUDE, description="fnmatch patterns of linears left dense.")
