@@ -276,6 +276,12 @@ Python function instead), one PPO epoch per rollout batch."""
                          local_rollout_forward_batch_size=B, num_sample_generations=0, kl_coef=0.1)
         trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                              value_model=value, train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+        # the prompts in zeal's order (the spec lists each step's), not PPOTrainer's shuffled loader
+        from torch.utils.data import DataLoader
+
+        trainer.dataloader = trainer.accelerator.prepare(DataLoader(
+            trainer.train_dataset, batch_size=trainer.local_dataloader_batch_size, shuffle=False,
+            collate_fn=trainer.data_collator, drop_last=True))
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start

@@ -34,9 +34,11 @@ def _rank_batches(n: int, size: int, gen: torch.Generator, engine):
         yield batch[r * size:(r + 1) * size]
 
 
-def _loop(job: str, engine, out, rc, step_fn) -> RunLog:
+def _loop(job: str, engine, out, rc, step_fn, batches=None) -> RunLog:
     run = RunLog(out, engine.rank, job, rc, engine.mesh.dp)
     start = run.resume(engine)
+    for _ in range(start if batches is not None else 0):  # the row order continues where it stopped
+        next(batches)
     engine.train()
     for step in range(start + 1, rc.steps + 1):
         t0 = time.perf_counter()
@@ -68,7 +70,7 @@ def sft(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         engine.step()
         return {"loss": loss.item(), "response_length": mask.sum(-1).mean().item()}
 
-    run = _loop("sft", engine, out, rc, step_fn)
+    run = _loop("sft", engine, out, rc, step_fn, batches)
     return RunResult(engine, run.records, run.out)
 
 
@@ -115,7 +117,7 @@ def reward_model(model: Any, data: Sequence[dict], config: Any = None, *, tokeni
             stats["accuracy"] = (hc > hr).float().mean().item()
         return stats
 
-    run = _loop("rm", engine, out, rc, step_fn)
+    run = _loop("rm", engine, out, rc, step_fn, batches)
     return RunResult(engine, run.records, run.out, {"value_model": vm})
 
 
@@ -156,5 +158,5 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         return {"loss": loss.item(), "reward": (rc_ - rr_).mean().item(), "accuracy": (rc_ > rr_).float().mean().item(),
                 "kl": kl.item(), "response_length": lens.mean().item()}
 
-    run = _loop("dpo", engine, out, rc, step_fn)
+    run = _loop("dpo", engine, out, rc, step_fn, batches)
     return RunResult(engine, run.records, run.out, {"ref_chosen": ref_c, "ref_rejected": ref_r})
