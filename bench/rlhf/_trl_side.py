@@ -7,7 +7,8 @@ DPO: the rows in the order zeal visits them (a sequential sampler, no shuffling)
 record per optimizer step (the exact loss tensor, not the rounded logged value). RM: the
 same, then the held-out accuracy. GRPO:
 the prompts in zeal's order, time per step split into generation (``model.generate``
-with the training weights) and the rest, the mean reward of every step.
+with the training weights) and the rest, the mean reward of every step (the reward
+function of ``zeal/rlhf/tasks.py`` named by ``spec["reward"]``).
 """
 
 from __future__ import annotations
@@ -113,13 +114,43 @@ def run_rm(spec: dict) -> dict:
     return {"loss": steps, "accuracy": ev.get("eval_accuracy"), "train_s": wall}
 
 
+def _task_reward(spec: dict):
+    """The task's reward function of ``zeal.rlhf.tasks`` named by ``spec["reward"]`` (pure
+    Python on texts; only that module is imported from zeal's checkout)."""
+    import importlib.util
+
+    path = f"{spec['zeal_root']}/zeal/rlhf/tasks.py"
+    mod_spec = importlib.util.spec_from_file_location("zeal_tasks", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return getattr(mod, spec.get("reward", "arithmetic_reward"))
+
+
+def _python_reward_model(ppo_mod, reward_model, tok, spec: dict) -> None:
+    """TRL 0.29's PPO scores with a reward model only: route its reward-model calls of
+    ``get_reward`` to the task's Python reward on the decoded question and answer (the
+    value model's calls go through unchanged)."""
+    reward = _task_reward(spec)
+    original = ppo_mod.get_reward
+
+    def get_reward(model, query_responses, pad_token_id, context_length):
+        if model is not reward_model:
+            return original(model, query_responses, pad_token_id, context_length)
+        questions = tok.batch_decode(query_responses[:, :context_length], skip_special_tokens=True)
+        answers = [tok.decode([t for t in row.tolist() if t != pad_token_id], skip_special_tokens=True)
+                   for row in query_responses[:, context_length:]]
+        scores = torch.tensor(reward(questions, answers), dtype=torch.float32)
+        return None, scores, None
+
+    ppo_mod.get_reward = get_reward
+
+
 def run_grpo(spec: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    sys.path.insert(0, spec["zeal_root"])  # only the task's reward function (pure Python, no torch state)
-    from zeal.rlhf.tasks import arithmetic_reward
+    reward = _task_reward(spec)
 
     torch.manual_seed(spec["seed"])
     tok = AutoTokenizer.from_pretrained(spec["model"])
@@ -140,7 +171,7 @@ def run_grpo(spec: dict) -> dict:
 
     def reward_fn(prompts, completions, question, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        out = arithmetic_reward(list(question), texts)
+        out = reward(list(question), texts)
         rewards.append(sum(out) / len(out))
         return out
 
@@ -183,7 +214,8 @@ def run_grpo(spec: dict) -> dict:
 def run_ppo(spec: dict) -> dict:
     """TRL's last PPO (0.29's ``trl.experimental.ppo``, put first on ``PYTHONPATH`` by the
     driver): policy, reference, value model and a reward model (SmolLM with a scalar head:
-    this PPO takes no Python reward), one PPO epoch per rollout batch."""
+    this PPO takes no Python reward; with ``spec["reward"]`` its calls are routed to that
+Python function instead), one PPO epoch per rollout batch."""
     from datasets import Dataset
     from transformers import (
         AutoModelForCausalLM,
@@ -221,6 +253,8 @@ def run_ppo(spec: dict) -> dict:
             times["generate"].append(time.perf_counter() - t0)
 
     ppo_mod.batch_generation = timed_generation
+    if spec.get("reward"):
+        _python_reward_model(ppo_mod, reward, tok, spec)
 
     class Clock(TrainerCallback):
         t0 = None
@@ -242,6 +276,12 @@ def run_ppo(spec: dict) -> dict:
                          local_rollout_forward_batch_size=B, num_sample_generations=0, kl_coef=0.1)
         trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
                              value_model=value, train_dataset=Dataset.from_list(rows), callbacks=[Clock()])
+        # the prompts in zeal's order (the spec lists each step's), not PPOTrainer's shuffled loader
+        from torch.utils.data import DataLoader
+
+        trainer.dataloader = trainer.accelerator.prepare(DataLoader(
+            trainer.train_dataset, batch_size=trainer.local_dataloader_batch_size, shuffle=False,
+            collate_fn=trainer.data_collator, drop_last=True))
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start

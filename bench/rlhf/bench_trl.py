@@ -9,10 +9,13 @@ JSON; zeal runs here. Prints, per job, zeal's figure beside TRL's and the ratio:
   TRL's ``RewardTrainer`` (their losses differ by definition: token-wise vs last token);
 - GRPO: samples (completions) per second and the split of a step into generation,
   training and weight sync, zeal (hybrid engine) against TRL's ``GRPOTrainer``
-  (generating with the training model), and the mean reward over the same steps;
+  (generating with the training model), and both sides' mean reward per step (the
+  task's graded reward by default: partial credit, non-zero from the first step) with
+  the ratio of their last-k means;
 - PPO: time per PPO iteration against TRL's last PPO (TRL 1.16 has none; 0.29.1's
   ``trl.experimental.ppo``, installed with ``--no-deps`` in a folder of its own and run
-  by TRL's interpreter), both with a reward model (TRL's PPO takes no Python reward).
+  by TRL's interpreter) and the reward curves, both scored by the same Python reward
+  (TRL's PPO takes a reward model only: its reward-model calls are routed to the function).
 
     flock /tmp/zeal-heavy.lock timeout 900 env PYTHONPATH=. python bench/rlhf/bench_trl.py
 """
@@ -113,9 +116,19 @@ def bench_rm(args, model_path: str) -> dict:
             "trl_s": trl["train_s"], "held": n_eval}
 
 
+REWARDS = {"exact": "arithmetic_reward", "graded": "graded_arithmetic_reward"}
+
+
+def task_reward(args):
+    """The task's reward function named by ``--reward`` (``zeal.rlhf.tasks``)."""
+    from zeal.rlhf import tasks
+
+    return getattr(tasks, REWARDS[args.reward])
+
+
 def bench_grpo(args, model_path: str) -> dict:
     from zeal.rlhf import grpo
-    from zeal.rlhf.tasks import arithmetic_reward, arithmetic_rows
+    from zeal.rlhf.tasks import arithmetic_rows
 
     rows = arithmetic_rows(args.grpo_prompts, seed=args.seed + 1)
     prompts = [r["prompt"] for r in rows]
@@ -123,14 +136,14 @@ def bench_grpo(args, model_path: str) -> dict:
     rc = {"steps": args.grpo_steps, "batch_size": P, "num_generations": G, "max_new_tokens": args.new_tokens,
           "seed": args.seed, "beta": args.grpo_beta, "clip": 0.2, "loss_type": "sequence", "log_every": 10**6,
           "temperature": 1.0}
-    res = grpo(model_path, arithmetic_reward, prompts, {**engine_cfg(args), "rlhf": rc})
+    res = grpo(model_path, task_reward(args), prompts, {**engine_cfg(args), "rlhf": rc})
     # zeal draws its prompts with a seeded generator; TRL gets the same ones in the same order
     gen = torch.Generator().manual_seed(args.seed * 1000003)
     order = [i for _ in range(args.grpo_steps) for i in torch.randint(len(prompts), (P,), generator=gen).tolist()]
     spec = {"job": "grpo", "model": model_path, "prompts": [prompts[i] for i in order], "steps": args.grpo_steps,
             "batch_size": P, "num_generations": G, "max_new_tokens": args.new_tokens, "temperature": 1.0,
             "beta": args.grpo_beta, "clip": 0.2, "lr": args.lr, "optimizer": args.optimizer,
-            "grad_clip": args.grad_clip, "seed": args.seed, "zeal_root": str(ROOT)}
+            "grad_clip": args.grad_clip, "seed": args.seed, "zeal_root": str(ROOT), "reward": REWARDS[args.reward]}
     trl = trl_side(args.trl_python, spec, args.timeout)
     m = res.metrics
     return {"zeal": {"step_s": [r["time_generate_s"] + r["time_train_s"] + r["time_sync_s"] for r in m],
@@ -142,20 +155,26 @@ def bench_grpo(args, model_path: str) -> dict:
 
 
 def bench_ppo(args, model_path: str) -> dict:
-    """PPO with a reward model on both sides (TRL's PPO takes no Python reward): SmolLM's
-    trunk with a fresh scalar head (N(0, 0.02), as HF initialises one), frozen."""
+    """PPO on both sides with the task's Python reward (``--ppo-reward task``; TRL 0.29's
+    PPO takes only a reward model, so its reward-model calls are routed to the function),
+    or with a reward model (``model``): SmolLM's trunk with a fresh scalar head
+    (N(0, 0.02), as HF initialises one), frozen."""
     from zeal.rlhf import ppo
     from zeal.rlhf.common import load_policy
     from zeal.rlhf.tasks import arithmetic_rows
     from zeal.rlhf.value import ValueModel
 
     prompts = [r["prompt"] for r in arithmetic_rows(args.grpo_prompts, seed=args.seed + 1)]
-    B = args.grpo_batch * args.group
+    B = args.ppo_batch or args.grpo_batch * args.group
     torch.manual_seed(args.seed)
-    rm = ValueModel(load_policy(model_path).model)
-    torch.nn.init.normal_(rm.v_head.weight, std=0.02)
+    if args.ppo_reward == "task":
+        rm = task_reward(args)
+    else:
+        rm = ValueModel(load_policy(model_path).model)
+        torch.nn.init.normal_(rm.v_head.weight, std=0.02)
+    # TRL whitens the advantages of every batch
     rc = {"steps": args.ppo_steps, "batch_size": B, "max_new_tokens": args.new_tokens, "seed": args.seed,
-          "log_every": 10**6, "kl_coef": 0.1, "critic_lr": args.lr}
+          "log_every": 10**6, "kl_coef": 0.1, "critic_lr": args.lr, "whiten_advantages": True}
     res = ppo(model_path, rm, prompts, {**engine_cfg(args), "rlhf": rc})
     m = res.metrics
     gen = torch.Generator().manual_seed(args.seed * 1000003)
@@ -167,13 +186,28 @@ def bench_ppo(args, model_path: str) -> dict:
         return out
     spec = {"job": "ppo", "model": model_path, "prompts": [prompts[i] for i in order], "steps": args.ppo_steps,
             "batch_size": B, "max_new_tokens": args.new_tokens, "lr": args.lr, "optimizer": args.optimizer,
-            "grad_clip": args.grad_clip, "seed": args.seed}
+            "grad_clip": args.grad_clip, "seed": args.seed, "zeal_root": str(ROOT),
+            "reward": REWARDS[args.reward] if args.ppo_reward == "task" else None}
     out["trl"] = trl_side(args.trl_python, spec, args.timeout, pythonpath=args.trl_ppo_path)
     return out
 
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def reward_curves(zeal: list[float], trl: list[float], k: int, what: str) -> None:
+    """Both sides' mean reward per step beside each other, then the mean of the last ``k``
+    steps and zeal's over TRL's."""
+    print(f"{'step':>6} {'zeal reward':>12} {'TRL reward':>12}")
+    for i in range(max(len(zeal), len(trl))):
+        z = f"{zeal[i]:.3f}" if i < len(zeal) else "-"
+        t = f"{trl[i]:.3f}" if i < len(trl) else "-"
+        print(f"{i + 1:>6} {z:>12} {t:>12}")
+    zk, tk = _mean(zeal[-k:]), _mean(trl[-k:])
+    ratio = f"{zk / tk:.2f}" if tk else "n/a (TRL 0)"
+    print(f"{what}: first-step reward zeal {zeal[0]:.3f}, TRL {trl[0]:.3f}; mean of the last {k} steps zeal "
+          f"{zk:.3f}, TRL {tk:.3f}, zeal/TRL {ratio}; all steps zeal {_mean(zeal):.3f}, TRL {_mean(trl):.3f}")
 
 
 def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args, rm: dict | None = None) -> int:
@@ -216,13 +250,15 @@ def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args, rm: dict
         print(f"{'  training s':>22} {zt:>10.2f} {ts - tg:>10.2f} {zt / (ts - tg):>9.2f}")
         print(f"{'  sync s':>22} {zy:>10.4f} {0.0:>10.4f}")
         print(f"{'generation share':>22} {zg / zs:>10.0%} {tg / ts:>10.0%}")
-        print(f"{'mean reward':>22} {_mean(z['reward']):>10.3f} {_mean(t['reward']):>10.3f}")
-        print(f"{'last-step reward':>22} {z['reward'][-1]:>10.3f} {t['reward'][-1]:>10.3f}")
+        print(f"\nGRPO reward ({args.reward} arithmetic reward, same prompts, seeds and hyper-parameters)")
+        reward_curves(z["reward"], t["reward"], args.last_k, "GRPO")
     if ppo is not None:
         z, t = ppo["zeal"], ppo["trl"]
         skip = 1 if len(z["step_s"]) > 1 else 0
+        scorer = (f"the {args.reward} arithmetic reward (Python) on both sides" if args.ppo_reward == "task"
+                  else "reward model = SmolLM + random scalar head")
         print(f"\nPPO ({args.ppo_steps} iterations x {ppo['batch']} prompts, {args.new_tokens} new tokens, 1 PPO "
-              f"epoch, reward model = SmolLM + random scalar head; mean over iterations {skip + 1}..)")
+              f"epoch, {scorer}; mean over iterations {skip + 1}..)")
         if t is None:
             print(f"zeal {_mean(z['step_s'][skip:]):.2f} s per iteration (generation {_mean(z['generate_s'][skip:]):.2f}"
                   f" s); TRL: no PPO in TRL >= 1.0, and no TRL 0.29 under --trl-ppo-path: not measured")
@@ -232,8 +268,7 @@ def report(dpo: dict | None, grpo: dict | None, ppo: dict | None, args, rm: dict
             print(f"{'':>22} {'zeal':>10} {'TRL 0.29':>10} {'TRL/zeal':>9}")
             print(f"{'s per iteration':>22} {zs:>10.2f} {ts:>10.2f} {ts / zs:>8.2f}x")
             print(f"{'  generation s':>22} {zg:>10.2f} {tg:>10.2f} {tg / zg:>8.2f}x")
-            print(f"{'reward per iteration':>22} {' '.join(f'{x:.3f}' for x in z['reward']):>10} | "
-                  f"{' '.join(f'{x:.3f}' for x in t['reward'])}")
+            reward_curves(z["reward"], t["reward"], args.last_k, "PPO")
     return rc
 
 
@@ -264,6 +299,12 @@ def main() -> int:
     ap.add_argument("--grpo-beta", type=float, default=0.04)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--ppo-steps", type=int, default=3)
+    ap.add_argument("--ppo-batch", type=int, default=0, help="PPO prompts per iteration (0: grpo-batch x group)")
+    ap.add_argument("--ppo-reward", default="task", choices=["task", "model"],
+                    help="PPO's scorer: the task's Python reward (--reward) or SmolLM with a random scalar head")
+    ap.add_argument("--reward", default="graded", choices=sorted(REWARDS),
+                    help="GRPO/PPO task reward: graded (partial credit) or exact (the right first integer)")
+    ap.add_argument("--last-k", type=int, default=5, help="reward compared over the last k steps")
     ap.add_argument("--json", help="also write the raw figures to this file")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for each TRL run")
     args = ap.parse_args()

@@ -6,8 +6,8 @@ import csv
 import json
 
 import pytest
-import torch
 
+from tests.rlhf.conftest import build_tiny_folder
 from zeal.cli.main import main
 
 pytestmark = pytest.mark.timeout(90)
@@ -15,23 +15,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    from zeal.models.llama import Llama, LlamaConfig
-
-    d = tmp_path_factory.mktemp("tiny")
-    words = ["[UNK]", "<eos>", "What", "is", "?", "Reply", "with", "the", "number", "only", ".", "+", "-", "*",
-             "user", "assistant", ":"] + [str(i) for i in range(-10, 82)]
-    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = Whitespace()
-    torch.manual_seed(0)
-    Llama(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      eos_token_id=1)).save_hf_folder(d)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    d = build_tiny_folder(tmp_path_factory.mktemp("tiny"))
     cfg = d / "ds.json"
     cfg.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                                "rlhf": {"batch_size": 2, "num_generations": 2, "max_new_tokens": 4}}))

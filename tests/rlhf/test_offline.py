@@ -45,6 +45,17 @@ def test_dpo_first_loss_is_log2_and_loss_falls(tmp_path):
     assert res.metrics[-1]["accuracy"] == 1.0
 
 
+def test_dpo_resume_continues_the_row_order(tmp_path):
+    from zeal.rlhf import dpo
+
+    straight = dpo(tiny(), pairs(), cfg(4), out=str(tmp_path / "a"))
+    dpo(tiny(), pairs(), cfg(2), out=str(tmp_path / "b"))
+    resumed = dpo(tiny(), pairs(), cfg(4), out=str(tmp_path / "b"))
+    assert [r["step"] for r in resumed.metrics] == [3, 4]
+    for a, b in zip(straight.metrics[2:], resumed.metrics):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
 def test_reward_model_accuracy_rises(tmp_path):
     from zeal.rlhf import reward_model
 

@@ -1,5 +1,5 @@
 """`zeal rlhf sft|rm|ppo|dpo|grpo`: DeepSpeed-Chat's three steps (SFT → reward model → PPO),
-DPO and GRPO, on a single process.
+DPO and GRPO, on one process or on ``--nproc`` data-parallel ranks (torchrun, as ``zeal train``).
 
 With no arguments each job runs on the embedded SmolLM2-135M-Instruct and the built-in
 offline task (short arithmetic: a programmatic reward for PPO/GRPO, right-before-wrong
@@ -42,7 +42,51 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="PPO/GRPO reward function fn(prompts, completions, **kw) (default: the arithmetic check)")
     p.add_argument("--reward-model", default=None, metavar="DIR",
                    help="PPO: a 'zeal rlhf rm' run folder whose reward model scores the answers")
+    p.add_argument("--generation-dtype", default=None, choices=["auto", "fp32", "bf16"],
+                   help="PPO/GRPO: dtype of the hybrid engine's serving copy (rlhf.generation_dtype; default auto)")
+    p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage of the engine(s) (zero_optimization.stage; default: the config's, else 0)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes (data-parallel ranks, started through torchrun as 'zeal train' does); "
+                        "rlhf.batch_size is per rank, rank 0 writes the run folder")
     return p
+
+
+# the options a launched rank gets again, as given (--nproc is the launcher's own)
+_FORWARDED = ("model", "data", "steps", "out", "config", "reward", "reward_model", "generation_dtype", "zero_stage")
+
+
+def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
+    argv = ["zeal.cli.main", "rlhf", args.job]
+    for name in _FORWARDED:
+        value = str(out) if name == "out" else getattr(args, name)
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
+def _launch(args: argparse.Namespace, out: Path) -> int:
+    """Run the job on ``args.nproc`` ranks through torchrun (as ``zeal train`` does); a
+    failing rank records its error under ``<out>/logs`` and the first one is printed."""
+    import subprocess
+    import sys
+
+    from zeal.cli.launch import child_env, torchrun_argv
+    from zeal.cli.rank_errors import clear_rank_errors, failure_line
+
+    logs = out / "logs"
+    clear_rank_errors(logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    argv = torchrun_argv(args.nproc, _rank_argv(args, out), module=True, runner="zeal.cli.quiet_torchrun")
+    env = child_env(args.nproc)
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
+    env["ZEAL_FORENSICS_DIR"] = str(logs)
+    rc = subprocess.call(argv, env=env)
+    if rc != 0:
+        print(failure_line(logs, rc, f"zeal rlhf {args.job}", logs / "torchrun.log"), file=sys.stderr)
+        raise SystemExit(rc)
+    return 0
 
 
 def _reward_fn(spec: str | None, rows: list[dict]):
@@ -110,7 +154,29 @@ def _export(result, out: Path, model_path: str | None, job: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run one RLHF job and print where its results are."""
+    """Run one RLHF job (on ``--nproc`` ranks) and print where its results are."""
+    import os
+
+    def in_distributed_env() -> bool:  # inside a torchrun-started rank
+        return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    out = Path(args.out or f"runs/rlhf-{args.job}")
+    if args.nproc > 1 and not in_distributed_env():
+        return _launch(args, out)
+    if not in_distributed_env():
+        return _run_job(args, out)
+    from zeal.cli.rank_errors import exit_status, record_rank_error
+
+    try:  # a launched rank: record the error, the launcher prints it
+        return _run_job(args, out)
+    except Exception as e:  # noqa: BLE001 - any failure is this rank's to record
+        record_rank_error(out / "logs", int(os.environ["RANK"]), e)
+        raise SystemExit(exit_status(e)) from None
+
+
+def _run_job(args: argparse.Namespace, out: Path) -> int:
     import zeal.rlhf as rl
     from zeal.rlhf.config import split_config
     from zeal.rlhf.data import read_jsonl
@@ -122,8 +188,11 @@ def run(args: argparse.Namespace) -> int:
     engine_cfg, rc = split_config(args.config, {"steps": args.steps or DEFAULT_STEPS[job]})
     if args.steps is not None:
         rc.steps = args.steps
+    if args.generation_dtype is not None:
+        rc.generation_dtype = args.generation_dtype
+    if args.zero_stage is not None:
+        engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
     rows = read_jsonl(args.data, KEYS[job]) if args.data else arithmetic_rows(64, rc.seed)
-    out = Path(args.out or f"runs/rlhf-{job}")
     config = {**engine_cfg, "rlhf": rc.model_dump()}
     model = args.model
     if job == "sft":
@@ -138,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         reward = _load_reward_model(args.reward_model, model) if args.reward_model else _reward_fn(args.reward, rows)
         res = rl.ppo(model, reward, [r["prompt"] for r in rows], config, out=str(out))
     _export(res, out, model, job)
+    if res.engine.rank != 0:
+        return 0
     last = res.metrics[-1] if res.metrics else {}
     shown = ", ".join(f"{k} {last[k]:.4g}" for k in ("loss", "reward", "kl", "accuracy") if last.get(k) is not None)
     print(f"zeal rlhf {job}: {len(res.metrics)} step(s) in {out} ({shown}); metrics.csv, checkpoints/, "

@@ -110,10 +110,22 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
-class RunLog:
-    """The run folder of a job (rank 0 writes): metrics, a reward/KL plot, checkpoints."""
+def dp_slice(engine) -> tuple[int, int]:
+    """``(data-parallel rank, data-parallel size)`` of ``engine``: a step draws one global
+    batch of ``size`` × the per-rank batch with the same seeded generator on every rank,
+    and rank ``r`` takes the ``r``-th slice (so ``n`` ranks see what one process with an
+    ``n`` times larger batch would)."""
+    mesh = getattr(engine, "mesh", None)
+    return (mesh.dp_rank, mesh.dp_size) if mesh is not None else (0, 1)
 
-    def __init__(self, out: str | os.PathLike | None, rank: int, job: str, rc: RLHFConfig) -> None:
+
+class RunLog:
+    """The run folder of a job (rank 0 writes): metrics, a reward/KL plot, checkpoints.
+    With ``comm`` (the engine's data-parallel :class:`~zeal.dist.comm.Comm`) every logged
+    value is the mean over its ranks (every rank calls :meth:`log`, with the same keys)."""
+
+    def __init__(self, out: str | os.PathLike | None, rank: int, job: str, rc: RLHFConfig, comm=None) -> None:
+        self.comm = comm if comm is not None and comm.active else None
         self.out = Path(out) if out is not None else None
         self.enabled = rank == 0 and self.out is not None
         self.job, self.rc = job, rc
@@ -143,8 +155,17 @@ class RunLog:
         log.info("%s: resumed from %s at step %d", self.job, self.ckpt_dir, step)
         return step
 
+    def _dp_mean(self, values: dict[str, float]) -> dict[str, float]:
+        if self.comm is None or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.comm.ctx.device)
+        self.comm.all_reduce(t, "control")
+        return {k: float(v) / self.comm.size for k, v in zip(keys, t.tolist())}
+
     def log(self, step: int, **values: float) -> dict:
-        rec = {"step": step, "kind": "train", **{k: float(v) for k, v in values.items() if v is not None},
+        values = self._dp_mean({k: float(v) for k, v in values.items() if v is not None})
+        rec = {"step": step, "kind": "train", **values,
                "elapsed_s": time.perf_counter() - self.t0}
         self.records.append(rec)
         if self.sink is not None:

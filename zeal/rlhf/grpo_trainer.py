@@ -22,6 +22,7 @@ from zeal.rlhf.common import (
     RunResult,
     build_engine,
     disable_dropout,
+    dp_slice,
     encode_prompt,
     frozen_copy,
     load_policy,
@@ -70,15 +71,19 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(engine.module.parameters()).dtype,
                                                  engine.device))
-    run = RunLog(out, engine.rank, "grpo", rc)
+    run = RunLog(out, engine.rank, "grpo", rc, engine.mesh.dp)
     start = run.resume(engine)
-    gen.manual_seed(rc.seed * 1000003 + engine.rank)
+    r, world = dp_slice(engine)
+    P = rc.batch_size
+    gen.manual_seed(rc.seed * 1000003)
     for _ in range(start):  # the prompt order continues where it stopped
-        torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen)
+        torch.randint(len(prompt_ids), (P * world,), generator=gen)
     for step in range(start + 1, rc.steps + 1):
-        pick = torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen).tolist()
+        # one global batch drawn alike on every rank, this rank's slice; answer i of global prompt k is
+        # sampled with seed base + k·G + i, as one process drawing the whole batch would
+        pick = torch.randint(len(prompt_ids), (P * world,), generator=gen)[r * P:(r + 1) * P].tolist()
         params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                                seed=(rc.seed + 7919 * step + 104729 * engine.rank) % (1 << 62), logprobs=0)
+                                seed=(rc.seed + 7919 * step) % (1 << 62) + r * P * G, logprobs=0)
         rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
         rewards = score(reward_fn, [prompts[i] for i in pick], rollouts)
         t0 = time.perf_counter()

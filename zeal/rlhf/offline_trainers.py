@@ -12,7 +12,7 @@ import torch
 
 from zeal.rlhf import formulas as fm
 from zeal.rlhf.batch import pack, sequence_logprob
-from zeal.rlhf.common import RunLog, RunResult, build_engine, disable_dropout, load_policy, set_seed
+from zeal.rlhf.common import RunLog, RunResult, build_engine, disable_dropout, dp_slice, load_policy, set_seed
 from zeal.rlhf.config import split_config
 from zeal.rlhf.data import encode_pair, encode_sft, free_token, pad_rows
 from zeal.rlhf.value import ValueModel
@@ -26,9 +26,19 @@ def _batches(n: int, size: int, gen: torch.Generator):
             yield [order[j % n] for j in range(i, i + size)]
 
 
-def _loop(job: str, engine, out, rc, step_fn) -> RunLog:
-    run = RunLog(out, engine.rank, job, rc)
+def _rank_batches(n: int, size: int, gen: torch.Generator, engine):
+    """This rank's ``size`` rows of each global batch of ``size`` × the data-parallel size
+    (every rank draws the same global batches from ``gen``)."""
+    r, world = dp_slice(engine)
+    for batch in _batches(n, size * world, gen):
+        yield batch[r * size:(r + 1) * size]
+
+
+def _loop(job: str, engine, out, rc, step_fn, batches=None) -> RunLog:
+    run = RunLog(out, engine.rank, job, rc, engine.mesh.dp)
     start = run.resume(engine)
+    for _ in range(start if batches is not None else 0):  # the row order continues where it stopped
+        next(batches)
     engine.train()
     for step in range(start + 1, rc.steps + 1):
         t0 = time.perf_counter()
@@ -48,7 +58,7 @@ def sft(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
     pol = load_policy(model, tokenizer, eos_token_ids)
     examples = [encode_sft(r, pol.tokenizer, pol.eos_ids, rc) for r in data]
     engine = build_engine(pol.model, engine_cfg, rc.batch_size)
-    batches = _batches(len(examples), rc.batch_size, gen)
+    batches = _rank_batches(len(examples), rc.batch_size, gen, engine)
 
     def step_fn(step):
         pick = next(batches)
@@ -60,7 +70,7 @@ def sft(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         engine.step()
         return {"loss": loss.item(), "response_length": mask.sum(-1).mean().item()}
 
-    run = _loop("sft", engine, out, rc, step_fn)
+    run = _loop("sft", engine, out, rc, step_fn, batches)
     return RunResult(engine, run.records, run.out)
 
 
@@ -87,7 +97,7 @@ def reward_model(model: Any, data: Sequence[dict], config: Any = None, *, tokeni
         raise ValueError(f"reward model: no training pairs left after holding out {n_eval} of {len(pairs)}")
     vm = ValueModel(pol.model)
     engine = build_engine(vm, engine_cfg, 2 * rc.batch_size)
-    batches = _batches(len(train), rc.batch_size, gen)
+    batches = _rank_batches(len(train), rc.batch_size, gen, engine)
 
     def scores(p, pick):
         ids, pad = _pair_batch(p, pick)
@@ -107,7 +117,7 @@ def reward_model(model: Any, data: Sequence[dict], config: Any = None, *, tokeni
             stats["accuracy"] = (hc > hr).float().mean().item()
         return stats
 
-    run = _loop("rm", engine, out, rc, step_fn)
+    run = _loop("rm", engine, out, rc, step_fn, batches)
     return RunResult(engine, run.records, run.out, {"value_model": vm})
 
 
@@ -133,7 +143,7 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
                            for i in range(0, len(pairs), 16)])
     pol.model.train(was)
     engine = build_engine(pol.model, engine_cfg, 2 * rc.batch_size)
-    batches = _batches(len(pairs), rc.batch_size, gen)
+    batches = _rank_batches(len(pairs), rc.batch_size, gen, engine)
 
     def step_fn(step):
         pick = next(batches)
@@ -148,5 +158,5 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         return {"loss": loss.item(), "reward": (rc_ - rr_).mean().item(), "accuracy": (rc_ > rr_).float().mean().item(),
                 "kl": kl.item(), "response_length": lens.mean().item()}
 
-    run = _loop("dpo", engine, out, rc, step_fn)
+    run = _loop("dpo", engine, out, rc, step_fn, batches)
     return RunResult(engine, run.records, run.out, {"ref_chosen": ref_c, "ref_rejected": ref_r})

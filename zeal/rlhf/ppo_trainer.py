@@ -25,6 +25,7 @@ from zeal.rlhf.common import (
     RunResult,
     build_engine,
     disable_dropout,
+    dp_slice,
     encode_prompt,
     frozen_copy,
     load_policy,
@@ -109,20 +110,24 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(actor.module.parameters()).dtype,
                                                  actor.device))
-    run = RunLog(out, actor.rank, "ppo", rc)
+    run = RunLog(out, actor.rank, "ppo", rc, actor.mesh.dp)
     start = run.resume(actor)
     if start:
         run.resume(critic_engine, sub="critic")
     ema = EMA(actor, rc.ema) if rc.ema is not None else None
     if ema is not None and start:
         _resume_ema(ema, run)
-    gen.manual_seed(rc.seed * 1000003 + actor.rank)
-    for _ in range(start):
-        torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen)
-    for step in range(start + 1, rc.steps + 1):
-        pick = torch.randint(len(prompt_ids), (rc.batch_size,), generator=gen).tolist()
+    r, world = dp_slice(actor)
+    B = rc.batch_size
+    gen.manual_seed(rc.seed * 1000003)
+    for _ in range(start):  # the prompt (and unsupervised row) order continues where it stopped
+        torch.randint(len(prompt_ids), (B * world,), generator=gen)
+        if unsup_data and rc.unsup_coef:
+            torch.randint(len(unsup_data), (B * world,), generator=gen)
+    for step in range(start + 1, rc.steps + 1):  # one global batch, this rank's slice (as GRPO)
+        pick = torch.randint(len(prompt_ids), (B * world,), generator=gen)[r * B:(r + 1) * B].tolist()
         params = SamplingParams(max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                                seed=(rc.seed + 7919 * step + 104729 * actor.rank) % (1 << 62), logprobs=0)
+                                seed=(rc.seed + 7919 * step) % (1 << 62) + r * B, logprobs=0)
         rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
         b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pol.pad_id,
                  [r.logprobs for r in rollouts])
@@ -134,7 +139,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
                 scores = score(reward, [prompts[i] for i in pick], rollouts)
         ptx = None
         if unsup_data and rc.unsup_coef:
-            ptx = [unsup_data[i] for i in torch.randint(len(unsup_data), (rc.batch_size,), generator=gen).tolist()]
+            ptx = [unsup_data[i] for i in torch.randint(len(unsup_data), (B * world,), generator=gen)[r * B:(r + 1) * B]]
         stats = ppo_update(actor, critic_engine, ref, b, scores, rc, ptx, pol.pad_id, ema, hybrid.exact_logprobs)
         t_train = time.perf_counter() - t0
         times = hybrid.take_times()

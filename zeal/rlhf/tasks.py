@@ -3,6 +3,9 @@
 ``"What is 3 + 4? Reply with the number only."`` — the reward is 1 when the first integer
 of the answer is the right one (plus 0.1 when the answer is nothing but that number),
 SFT conversations answer right, and preference pairs put a right answer before a wrong one.
+:func:`graded_arithmetic_reward` grades the same questions with partial credit (a small
+model's first answers already earn a varying, non-zero reward: ``--reward
+zeal.rlhf.tasks:graded_arithmetic_reward``).
 """
 
 from __future__ import annotations
@@ -52,4 +55,23 @@ def arithmetic_reward(prompts, completions, **_) -> list[float]:
         got = _INT.search(c or "")
         ok = want is not None and got is not None and int(got.group()) == int(want)
         out.append((1.0 + 0.1 * (c.strip() == got.group())) if ok else 0.0)
+    return out
+
+
+def graded_arithmetic_reward(prompts, completions, **_) -> list[float]:
+    """Partial credit in [0, 1] for the built-in questions, so that a small model's first
+    answers already score above 0 and differ: 0.1 when the answer holds an integer, 0.2
+    when the right number is among its integers, 0.4 / (1 + |first integer − answer|)
+    (closeness of the first integer), and 0.3 when the answer is nothing but the right
+    number; prompts as for :func:`arithmetic_reward`."""
+    out = []
+    for p, c in zip(prompts, completions):
+        want = p.get("answer") if isinstance(p, dict) and "answer" in p else expected_answer(p)
+        got = [int(x) for x in _INT.findall(c or "")]
+        if want is None or not got:
+            out.append(0.0)
+            continue
+        want = int(want)
+        r = 0.1 + 0.2 * (want in got) + 0.4 / (1 + abs(got[0] - want)) + 0.3 * ((c or "").strip() == str(want))
+        out.append(round(r, 6))
     return out
