@@ -1,6 +1,7 @@
 """Checkpoints of expert-parallel runs: saved at EP 2 (2 gloo ranks, ZeRO 1), resumed at
-EP 2 bit-exactly, and loaded at EP 1 × DP 2 (stage 2), EP 4 (stage 2), EP 2 × DP 2
-(stage 1) and in one process (EP 1, stage 0).
+EP 2 bit-exactly, and loaded at EP 1 × DP 2 (stage 2), EP 2 at stage 3 (experts
+partitioned over the expert-data group), EP 4 (stage 2), EP 2 × DP 2 (stages 1 and 3)
+and in one process (EP 1, stage 0).
 
 Oracles: the uninterrupted EP 2 run's losses (exact at the same layout; to fp32
 rounding at another one, whose global batch is the same: drop_tokens=False makes the
@@ -67,6 +68,10 @@ def _two_ranks(rank: int, world: int, root: str) -> dict:
     engine.load_checkpoint(root, tag="ep2")
     engine.save_checkpoint(root, tag="ep2_to_ep1dp2")
     out["ep1dp2"] = _train(engine, rank, world, range(SAVED_AT, STEPS))
+    engine = _engine(2, 3, world, 5)  # stage 3 (small units kept gathered: refreshed over edp at load)
+    engine.load_checkpoint(root, tag="ep2")
+    engine.save_checkpoint(root, tag="ep2_to_s3")
+    out["ep2s3"] = _train(engine, rank, world, range(SAVED_AT, STEPS))
     out["mixtral"] = _mixtral_ep2(root, rank)
     return out
 
@@ -95,11 +100,11 @@ def _mixtral_ep2(root: str, rank: int) -> dict:
 
 def _four_ranks(rank: int, world: int, root: str) -> dict:
     out = {}
-    for ep, stage in ((4, 2), (2, 1)):  # EP 4; EP 2 x expert-data 2
+    for ep, stage in ((4, 2), (2, 1), (2, 3)):  # EP 4; EP 2 x expert-data 2 (stage 3: experts over edp)
         engine = _engine(ep, stage, world, 3)
         engine.load_checkpoint(root, tag="ep2")
         engine.save_checkpoint(root, tag=f"ep2_to_ep{ep}s{stage}")
-        out[ep] = _train(engine, rank, world, range(SAVED_AT, STEPS))
+        out[(ep, stage)] = _train(engine, rank, world, range(SAVED_AT, STEPS))
     return out
 
 
@@ -118,19 +123,22 @@ def test_expert_parallel_checkpoint_resume_and_reshard(tmp_path):
     for r in two:
         assert r["resume"] == r["straight"]  # same layout: exact
         assert r["ep1dp2"] == pytest.approx(r["straight"], rel=1e-5, abs=1e-6)
+        assert r["ep2s3"] == pytest.approx(r["straight"], rel=1e-5, abs=1e-6)
     full = assemble(tmp_path / "ep2")
     assert {k for k in full if k.startswith("param/") and ".experts." in k} == {
         f"param/moe.deepspeed_moe.experts.deepspeed_experts.{g}.{i}.{w}"
         for g in range(EXPERTS) for i in (0, 2) for w in ("weight", "bias")}
     _same(full, assemble(tmp_path / "ep2_to_ep1dp2"), "EP 2 -> EP 1 x DP 2, stage 1 -> 2")
+    _same(full, assemble(tmp_path / "ep2_to_s3"), "EP 2, stage 1 -> 3")
 
     four = run_ranks(_four_ranks, 4, root, timeout=100)
-    for ep, stage in ((4, 2), (2, 1)):
+    for ep, stage in ((4, 2), (2, 1), (2, 3)):
         _same(full, assemble(tmp_path / f"ep2_to_ep{ep}s{stage}"), f"EP 2 -> EP {ep} on 4 ranks, stage {stage}")
-        assert _mean([r[ep] for r in four]) == pytest.approx(straight, rel=1e-5, abs=1e-6), ep
+        assert _mean([r[(ep, stage)] for r in four]) == pytest.approx(straight, rel=1e-5, abs=1e-6), ep
 
-    # one process, every expert local: saved by 4 ranks (EP 2 x expert-data 2) and by 2 (EP 2)
-    for tag in ("ep2_to_ep2s1", "ep2"):
+    # one process, every expert local: saved by 4 ranks (EP 2 x expert-data 2, stages 1 and 3),
+    # by 2 at stage 3 and by 2 (EP 2)
+    for tag in ("ep2_to_ep2s1", "ep2_to_ep2s3", "ep2_to_s3", "ep2"):
         engine = _engine(1, 0, 1, 4)
         engine.load_checkpoint(root, tag=tag)
         state = engine.module_state_dict()

@@ -31,7 +31,7 @@ class ModelSection(Section):
     n_embd: int = Field(128, ge=8, description="Hidden size; divisible by n_head.")
     n_head: int = Field(4, ge=1, description="Attention heads.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability.")
-    num_experts: int = Field(0, ge=0, description="Experts per MoE MLP (0 = dense; MoE needs ZeRO stage <= 2).")
+    num_experts: int = Field(0, ge=0, description="Experts per MoE MLP (0 = dense).")
     moe_every: int = Field(2, ge=1, description="An MoE MLP in every moe_every-th block (2: every other).")
     top_k: int = Field(1, ge=1, le=2, description="Experts per token (top-1 or top-2 gating).")
     capacity_factor: float = Field(1.0, gt=0, description="Expert capacity = ceil(tokens/experts * factor * top_k).")

@@ -2,7 +2,8 @@
 
 * A HF folder: ``config.json`` plus ``model.safetensors`` or shards listed in
   ``model.safetensors.index.json``. ``model_type`` ``llama``/``mistral``/``qwen2``
-  (and other Llama-shaped configs) build :class:`zeal.models.llama.Llama`;
+  (and other Llama-shaped configs) build :class:`zeal.models.llama.Llama`; so do the
+  MoE types ``mixtral``/``qwen2_moe``/``olmoe`` (:mod:`zeal.models.hf_moe`);
   ``gpt2`` builds :class:`zeal.models.GPT` (Conv1D ``(in, out)`` weights are
   transposed to ``nn.Linear``'s ``(out, in)``).
 * :func:`save_hf_folder` writes a zeal Llama back as such a folder.
@@ -30,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from zeal.models.gpt import GPT, GPTConfig
-from zeal.models.hf_moe import MOE_TYPES, mixtral_config, mixtral_state_from_hf
+from zeal.models.hf_moe import MOE_TYPES, moe_config, moe_state_from_hf
 from zeal.models.llama import Llama, LlamaConfig
 from zeal.utils.paths import cache_dir
 
@@ -134,11 +135,11 @@ def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
             model: nn.Module = GPT(gpt2_config_from_hf(cfg))
         return HFSkeleton(model, cfg, _gpt2_tensor, "transformer.wte.weight", True)
     if mt in MOE_TYPES or mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
-        lcfg = mixtral_config(cfg) if mt in MOE_TYPES else LlamaConfig.from_hf(cfg)
+        lcfg = moe_config(cfg) if mt in MOE_TYPES else LlamaConfig.from_hf(cfg)
         with torch.device("meta"):
             model = Llama(lcfg)
         return HFSkeleton(model, cfg, _llama_tensor, "model.embed_tokens.weight", lcfg.tie_word_embeddings,
-                          mixtral_state_from_hf if mt in MOE_TYPES else None)
+                          moe_state_from_hf if mt in MOE_TYPES else None)
     raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
 
 

@@ -60,6 +60,14 @@ class LlamaConfig:
     capacity_factor: float = 1.0
     aux_loss_coef: float = 0.01
     ep_size: int = 1
+    # Hugging Face MoE formats (zeal.models.hf_moe): Qwen2-MoE / OLMoE
+    moe_intermediate_size: int | None = None  # the experts' width (None: intermediate_size)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
+    norm_topk_prob: bool | None = None  # renormalise the top-k weights (None: DeepSpeed's top-1/top-2 rule)
+    drop_tokens: bool = True  # False: dropless training (no capacity, no routing noise)
+    mlp_only_layers: list[int] = field(default_factory=list)  # dense layers among the MoE ones
+    qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip_qkv, clip_qkv]
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -186,14 +194,24 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(d, self.nh * self.hd, bias=b)
         self.k_proj = nn.Linear(d, self.nkv * self.hd, bias=b)
         self.v_proj = nn.Linear(d, self.nkv * self.hd, bias=b)
-        self.o_proj = nn.Linear(self.nh * self.hd, d, bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        self.o_proj = nn.Linear(self.nh * self.hd, d,
+                                bias=cfg.attention_bias and cfg.model_type not in ("qwen2", "qwen2_moe"))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.nh * self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.nkv * self.hd, cfg.rms_norm_eps)
+        self.clip_qkv = cfg.clip_qkv
 
     def forward(self, h: torch.Tensor, rope: Rope, attention: Attention = DENSE) -> torch.Tensor:
         """h (..., T, d) normalised -> (..., T, d)."""
         lead = h.shape[:-1]
-        q = self.q_proj(h).view(*lead, self.nh, self.hd)
-        k = self.k_proj(h).view(*lead, self.nkv, self.hd)
-        v = self.v_proj(h).view(*lead, self.nkv, self.hd)
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(*lead, self.nh, self.hd)
+        k = k.view(*lead, self.nkv, self.hd)
+        v = v.view(*lead, self.nkv, self.hd)
         ops = fused_ops(attention)
         if ops is None:
             q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
@@ -205,9 +223,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        d, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        d, i, b = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(d, i, bias=b)
         self.up_proj = nn.Linear(d, i, bias=b)
         self.down_proj = nn.Linear(i, d, bias=b)
@@ -238,9 +256,14 @@ class LlamaLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
-        if is_moe_block(cfg.num_experts, cfg.moe_every, layer_idx):
-            self.mlp = MoEMLP(cfg.hidden_size, self.mlp, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.ep_size)
+        moe = is_moe_block(cfg.num_experts, cfg.moe_every, layer_idx) and layer_idx not in cfg.mlp_only_layers
+        self.mlp = LlamaMLP(cfg, cfg.moe_intermediate_size if moe else None)
+        if moe:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = MoEMLP(cfg.hidden_size, self.mlp, cfg.num_experts, cfg.top_k,
+                              cfg.capacity_factor, cfg.ep_size, drop_tokens=cfg.drop_tokens,
+                              norm_topk_prob=cfg.norm_topk_prob,
+                              shared_expert=LlamaMLP(cfg, shared) if shared else None)
 
     @property
     def layer_idx(self) -> int:

@@ -16,6 +16,11 @@ path, :mod:`zeal.moe.dispatch`) read it, so they route identically.
 * top-2: the second expert is the arg-max of the logits (plus Gumbel noise when
   ``second_expert_sampling``) with the first masked out; its slots come after *all*
   first choices of that expert; both weights are renormalised over the kept choices;
+* top-k (any k; k > 2, or a gate with ``norm_topk_prob`` set, as Hugging Face's
+  Mixtral / Qwen2-MoE / OLMoE route): softmax over every expert, the k most probable;
+  choice j's slots come after all choices < j of that expert; the weights are the
+  probabilities, renormalised over the kept choices when ``normalize``; its
+  ``l_aux = E · Σ_e mean_s(p_se) · count_e / (S · k)`` counts all k choices;
 * ``l_aux = E · Σ_e mean_s(p_se) · frac_e`` where ``frac_e`` is the fraction of tokens
   whose FIRST choice is e (counted before dropping);
 * ``exp_counts``: tokens routed to each expert (all k choices, before dropping).
@@ -135,17 +140,45 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     return Routing(experts, slots, torch.stack([g1, g2]), kept, cap, e, l_aux, exp_counts)
 
 
+def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
+               ep: Comm | None = None, normalize: bool = True) -> Routing:
+    """Top-k routing of ``logits`` [S, E] for any k (see the module docstring)."""
+    gates = F.softmax(logits.float(), dim=1)
+    s, e = gates.shape
+    top = torch.topk(gates, k, dim=1).indices.t()  # [k, S], most probable first
+    masks = [F.one_hot(top[j], e).to(torch.long) for j in range(k)]
+    counts = torch.stack(masks).sum(dim=(0, 1))
+    l_aux = torch.sum(gates.mean(dim=0) * counts.float() / s) * e / k
+    exp_counts = counts.detach().cpu()
+    cap = capacity(s, e, capacity_factor, min_capacity, k=k) if drop_tokens else _max_count(exp_counts, ep)
+    before = torch.zeros(1, e, dtype=torch.long, device=logits.device)  # earlier choices of each expert
+    slots, kept, weights = [], [], []
+    for mask in masks:
+        loc = _slots(mask) + before
+        before = before + mask.sum(dim=0, keepdim=True)
+        mask = mask * (loc < cap)
+        slots.append((loc * mask).sum(dim=1))
+        kept.append(mask.sum(dim=1) > 0)
+        weights.append((gates * mask).sum(dim=1))
+    w = torch.stack(weights)
+    if normalize:
+        w = w / torch.clamp(w.sum(dim=0, keepdim=True), min=torch.finfo(w.dtype).eps)
+    return Routing(top, torch.stack(slots), w, torch.stack(kept), cap, e, l_aux, exp_counts)
+
+
 class TopKGate(torch.nn.Module):
     """The router: ``wg`` (Linear hidden → experts, no bias, fp32) and the gating rule.
     ``forward(x [S, d])`` returns a :class:`Routing`. The noisy policies act in training
-    only (``Jitter`` on the router input, ``RSample`` on top-1 selection)."""
+    only (``Jitter`` on the router input, ``RSample`` on top-1 selection). ``k`` > 2, or
+    ``norm_topk_prob`` set (True / False: renormalise the k weights or not), routes by
+    :func:`topkgating`; None keeps DeepSpeed's top-1 / top-2 rules."""
 
     def __init__(self, model_dim: int, num_experts: int, k: int = 1, capacity_factor: float = 1.0,
                  eval_capacity_factor: float = 1.0, min_capacity: int = 8, noisy_gate_policy: str | None = None,
                  drop_tokens: bool = True, use_rts: bool = True, top2_2nd_expert_sampling: bool = True) -> None:
         super().__init__()
-        if k not in (1, 2):
-            raise ValueError(f"MoE k={k}: only top-1 and top-2 gating are supported")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"MoE k={k} must be between 1 and num_experts {num_experts}")
         if noisy_gate_policy not in NOISY_POLICIES:
             raise ValueError(f"MoE noisy_gate_policy {noisy_gate_policy!r} must be one of {NOISY_POLICIES}")
         self.wg = torch.nn.Linear(model_dim, num_experts, bias=False).float()
@@ -153,6 +186,7 @@ class TopKGate(torch.nn.Module):
         self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
         self.drop_tokens, self.use_rts, self.second_expert_sampling = drop_tokens, use_rts, top2_2nd_expert_sampling
         self.ep: Comm | None = None  # bound by the MoE layer (drop_tokens=False all-reduces over it)
+        self.norm_topk_prob: bool | None = None
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> Routing:
         x = x.float()
@@ -160,6 +194,9 @@ class TopKGate(torch.nn.Module):
             x = multiplicative_jitter(x)
         logits = F.linear(x, self.wg.weight.float())
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        if self.k > 2 or self.norm_topk_prob is not None:
+            normalize = True if self.norm_topk_prob is None else self.norm_topk_prob
+            return topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep, normalize)
         if self.k == 1:
             return top1gating(logits, cf, self.min_capacity, used_token,
                               self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,

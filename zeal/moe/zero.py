@@ -1,18 +1,22 @@
 """ZeRO for expert parameters: units over the expert-data group, their own reducer.
 
 An expert lives on one ep rank and is replicated over that rank's expert-data
-(``edp``) group, so ZeRO stages 0–2 lay expert parameters into a second set of flat
-units sharded over ``mesh.edp`` (``unit.comm`` names that Comm; ``unit.expert`` is
-True) while every other parameter stays in units over ``mesh.dp``.
+(``edp``) group, so ZeRO lays expert parameters into flat units of their own sharded
+over ``mesh.edp`` (``unit.comm`` names that Comm; ``unit.expert`` is True) while every
+other parameter stays in units over ``mesh.dp``: buckets at stages 0–2
+(:func:`build_expert_units`), per-module units at stage 3
+(:func:`partitioned_expert_split`, given to ``build_module_units``).
 
 * Gradients: the ep all-to-all's backward already summed, on the expert's rank, the
   gradient of every token routed to it from the whole ep group; reducing over ``edp``
   completes the sum over the data-parallel group, so the mean divides by the dp size
-  (not the edp size).
-* Gradient norm: stages 1–2 sum squared shard norms over ``dp`` (each expert shard is
+  (not the edp size). Stage 3 reduce-scatters them over ``edp``.
+* Stage 3 parameters: an expert unit is all-gathered over ``edp`` for its module's
+  forward and backward (:class:`ExpertSplitCollectives` routes each unit to its group;
+  ZeRO++'s hpZ and qgZ apply to the non-expert units, qwZ to both).
+* Gradient norm: stages 1–3 sum squared shard norms over ``dp`` (each expert shard is
   held by exactly one dp rank: dp = ep × edp); stage 0 holds whole local experts, whose
   squared norms are summed over ``ep``.
-* Stage 3 (partitioned parameters) is refused by name.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeal.config import ConfigError
 from zeal.dist.comm import Comm
-from zeal.moe.layer import is_expert_param
+from zeal.moe.layer import Experts, is_expert_param
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.units import FlatUnit, build_bucket_units
+from zeal.zero.zeropp import UnitCollectives
 
 
 def split_expert_groups(groups: list[list[nn.Parameter]]) -> tuple[list[list[nn.Parameter]], list[list[nn.Parameter]]]:
@@ -34,12 +38,49 @@ def split_expert_groups(groups: list[list[nn.Parameter]]) -> tuple[list[list[nn.
     return dense, experts
 
 
-def refuse_partitioned(groups: list[list[nn.Parameter]]) -> None:
-    """Stage 3 keeps parameters partitioned over dp; experts would need their own
-    gather groups, which zeal does not build."""
-    if any(is_expert_param(p) for g in groups for p in g):
-        raise ConfigError("zero_optimization.stage 3 with MoE expert parameters is not supported; "
-                          "use stage 0, 1 or 2 (expert state is partitioned over the expert-data group)")
+def partitioned_expert_split(edp_rank: int, edp_size: int) -> tuple:
+    """The ``experts`` argument of :func:`~zeal.zero.units.build_module_units`: expert
+    parameters in units of their own, sharded over the expert-data group."""
+    return is_expert_param, edp_rank, edp_size
+
+
+def mark_expert_units(units: list[FlatUnit], edp: Comm) -> None:
+    """Stage 3: the expert units (``unit.expert``) are sharded over ``edp``."""
+    for u in units:
+        if u.expert:
+            u.comm = edp
+
+
+def expert_buffer_ids(model: nn.Module) -> set[int]:
+    """Ids of the buffers inside expert containers: replicated over edp only."""
+    return {id(b) for m in model.modules() if isinstance(m, Experts) for b in m.buffers()}
+
+
+class ExpertSplitCollectives:
+    """Two :class:`~zeal.zero.zeropp.UnitCollectives` behind one (stage 3): expert units
+    gathered over edp, the others over dp (with ZeRO++'s node groups); the same methods
+    the coordinator and the non-expert reducer call."""
+
+    def __init__(self, dense: UnitCollectives, experts: UnitCollectives) -> None:
+        self.dense, self.experts = dense, experts
+        self.home = dense.home
+
+    def _of(self, u: FlatUnit) -> UnitCollectives:
+        return self.experts if u.expert else self.dense
+
+    def gather(self, u: FlatUnit, backward: bool):
+        return self._of(u).gather(u, backward)
+
+    def refresh(self, u: FlatUnit) -> None:
+        self._of(u).refresh(u)
+
+    def drop_secondary(self) -> None:
+        self.dense.drop_secondary()
+        self.experts.drop_secondary()
+
+    def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor):
+        """The non-expert gradient reduce-scatter (expert units have their own reducer)."""
+        return self.dense.reduce_scatter(out, flat)
 
 
 def build_expert_units(model: nn.Module, groups: list[list[nn.Parameter]], bucket_elems: int, edp: Comm,

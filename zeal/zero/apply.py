@@ -24,7 +24,15 @@ from zeal.config.schema import ZeroConfig
 from zeal.dist.comm import Comm
 from zeal.dist.mesh import Mesh
 from zeal.moe.layer import is_expert_param
-from zeal.moe.zero import ExpertSplitReducer, build_expert_units, refuse_partitioned, split_expert_groups
+from zeal.moe.zero import (
+    ExpertSplitCollectives,
+    ExpertSplitReducer,
+    build_expert_units,
+    expert_buffer_ids,
+    mark_expert_units,
+    partitioned_expert_split,
+    split_expert_groups,
+)
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.shard_home import DiskShards, MemoryShards
@@ -102,13 +110,13 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
     comm = mesh.dp
     home: MemoryShards | DiskShards = MemoryShards()
     needs = None
-    if stage.partitions_params:
-        refuse_partitioned(groups)  # MoE experts
     with torch.no_grad():
         if not stage.partitions_params:
             units = _replicated_layout(model, zc, comm, mesh, dtype, groups, init, seed)
         else:
-            units, needs = build_module_units(model, group_of, mesh.dp_rank, mesh.dp_size, dtype, mesh.device)
+            units, needs = build_module_units(model, group_of, mesh.dp_rank, mesh.dp_size, dtype, mesh.device,
+                                              experts=partitioned_expert_split(mesh.edp_rank, mesh.edp_size))
+            mark_expert_units(units, mesh.edp)  # MoE: expert units sharded over edp
             replace_meta_parameters(model, units)
             op = zc.offload_param
             if op.device == "nvme":  # ZeRO-Infinity: parameter shards live in swap files
@@ -118,17 +126,20 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
                 if u.needs_init:
                     materialize_unit(u, owners[u.index], init, seed)
                 else:
-                    comm.broadcast(u.full, 0, "init")
+                    (u.comm or comm).broadcast(u.full, 0, "init")
                     u.refresh_shard_from_full()
                 u.free_full()
                 home.adopt(u)
+        expert_buffers = expert_buffer_ids(model)
         for b in model.buffers():
-            comm.broadcast(b, 0, "init")
+            (mesh.edp if id(b) in expert_buffers else comm).broadcast(b, 0, "init")
 
     coordinator = coll = None
     hooks: list[object] = []
     if stage.partitions_params:
         coll = UnitCollectives(comm, zc, topology(mesh), home)
+        if any(u.expert for u in units):  # MoE: expert units gathered over edp
+            coll = ExpertSplitCollectives(coll, UnitCollectives(mesh.edp, zc, None, home))
         coordinator = ParamCoordinator(
             model, units, needs, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
             zc.stage3_max_reuse_distance, zc.stage3_max_live_parameters)
@@ -139,7 +150,8 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
     if any(u.expert for u in units):  # MoE: expert gradients reduced over edp only
         reducer = ExpertSplitReducer(reducer, GradReducer(
             [u for u in units if u.expert], mesh.edp, stage.grad_mode, overlap=zc.overlap_comm,
-            max_inflight_elems=zc.reduce_bucket_size, mean_over=mesh.dp_size), mesh.ep)
+            max_inflight_elems=zc.reduce_bucket_size, mean_over=mesh.dp_size,
+            on_grads_taken=coordinator.on_grads_taken if coordinator else None), mesh.ep)
     hooks.append(ReducerHooks(reducer))
     if coordinator is not None:
         hooks.append(CoordinatorHooks(coordinator))

@@ -154,13 +154,17 @@ def _coalesced_blocks(model: nn.Module, max_elems: int) -> dict[nn.Module, nn.Mo
 def build_module_units(
     model: nn.Module, group_of: dict[int, int], rank: int, world: int, dtype: torch.dtype,
     device: torch.device, coalesce_block_elems: int = COALESCE_BLOCK_ELEMS,
+    experts: tuple[Callable[[nn.Parameter], bool], int, int] | None = None,
 ) -> tuple[list[FlatUnit], dict[nn.Module, list[FlatUnit]]]:
     """Stage 3: one unit per module and (trainable, group) for the parameters it
     registers directly, in module order; a small repeated block (see
     ``COALESCE_BLOCK_ELEMS``) is one module here, with all the parameters of its
     subtree. A parameter shared by several modules (tied weights) belongs to the
     first; every module that registers it needs that unit, which the returned
-    ``module → units`` map records (hooks go on exactly these modules)."""
+    ``module → units`` map records (hooks go on exactly these modules). ``experts`` =
+    ``(is_expert, rank, world)``: parameters for which ``is_expert`` holds get units of
+    their own (``unit.expert``), sharded over that other group (MoE: the expert-data
+    group, whose Comm the caller sets as ``unit.comm``)."""
     names = _param_names(model)
     root_of = _coalesced_blocks(model, coalesce_block_elems)
     owner: dict[int, FlatUnit] = {}
@@ -173,13 +177,15 @@ def build_module_units(
         direct = [p for _, p in mod.named_parameters(recurse=root is mod)]
         if not direct:
             continue
-        fresh: dict[tuple[bool, int], list[tuple[str, nn.Parameter]]] = {}
+        fresh: dict[tuple[bool, int, bool], list[tuple[str, nn.Parameter]]] = {}
         for p in direct:
             if id(p) not in owner:
-                key = (p.requires_grad, group_of.get(id(p), 0))
+                key = (p.requires_grad, group_of.get(id(p), 0), experts is not None and experts[0](p))
                 fresh.setdefault(key, []).append((names[id(p)], p))
-        for (_, g), named in fresh.items():
-            u = FlatUnit(len(units), named, rank, world, dtype, device, partitioned=True, group=g)
+        for (_, g, expert), named in fresh.items():
+            r, w = (experts[1], experts[2]) if expert else (rank, world)
+            u = FlatUnit(len(units), named, r, w, dtype, device, partitioned=True, group=g)
+            u.expert = expert
             units.append(u)
             for _, p in named:
                 owner[id(p)] = u
