@@ -139,7 +139,8 @@ def load_engine(cfg: InferenceConfig):
     dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
     offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir,
                              cfg.weights_offload_quant)
-    model, tok, eos = load_model_and_tokenizer(resolve_model_path(cfg.model), dtype, cfg.device, offload)
+    model, tok, eos = load_model_and_tokenizer(resolve_model_path(cfg.model), dtype, cfg.device, offload,
+                                               cfg.quantized_matmul)
     return LLMEngine(model, tok, cfg.engine, eos)
 
 
