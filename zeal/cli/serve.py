@@ -185,6 +185,9 @@ def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):
     if cfg.weights_offload != "none":
         raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
                          f"{cfg.tensor_parallel_size}")
+    if cfg.quantized_matmul != "off":
+        raise ValueError(f"--quantized-matmul {cfg.quantized_matmul} is not supported with --tensor-parallel-size "
+                         f"{cfg.tensor_parallel_size}")
     dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
     model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)
     if not tp.is_driver:
