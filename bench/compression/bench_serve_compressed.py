@@ -1,6 +1,6 @@
 """Serving speed of SmolLM2-135M-Instruct: the dense folder, its int8 per-channel
 compressed-tensors folder dequantized on load, and the same folder with int8 weight-only
-matmuls (``quantized_matmul="auto"``): tokens/s of greedy requests and model bytes resident.
+matmuls (``quantized_matmul="int8"``): tokens/s of greedy requests and model bytes resident.
 
     flock /tmp/zeal-heavy.lock python bench/compression/bench_serve_compressed.py --requests 16 --tokens 32
 """
@@ -75,7 +75,7 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             rows = {"dense": run_one(src, dtype, "off", prompts, args.tokens),
                     "int8 dequantized": run_one(int8, dtype, "off", prompts, args.tokens),
-                    "int8 matmul": run_one(int8, dtype, "auto", prompts, args.tokens)}
+                    "int8 matmul": run_one(int8, dtype, "int8", prompts, args.tokens)}
             base = rows["dense"]["tok_s"]
             same = rows["int8 matmul"]["tokens"] == rows["int8 dequantized"]["tokens"]
             print(f"{dtype}, {args.requests} requests x {args.tokens} tokens, {torch.get_num_threads()} threads; "

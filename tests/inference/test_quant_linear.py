@@ -57,7 +57,9 @@ def test_compressed_folder_serves_the_same_greedy_tokens_with_int8_matmuls(tmp_p
     prompts = [[3, 5, 7, 9], [11, 2, 40, 41, 42, 1]]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     dense = LLM(str(folder), block_size=4, num_blocks=64)
-    int8 = LLM(str(folder), block_size=4, num_blocks=64, quantized_matmul="auto")
+    int8 = LLM(str(folder), block_size=4, num_blocks=64, quantized_matmul="int8")
+    auto = LLM(str(folder), block_size=4, num_blocks=64, quantized_matmul="auto")  # fp32: left dequantized
+    assert not any(isinstance(m, QL) for m in auto.engine.runner.model.modules())
     swapped = [n for n, m in int8.engine.runner.model.named_modules() if isinstance(m, QL)]
     assert sorted(swapped) == sorted(targets)
     want = [o.outputs[0].token_ids for o in dense.generate(prompts, greedy)]

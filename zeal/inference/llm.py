@@ -76,8 +76,8 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
                              quantized_matmul: str = "off") -> tuple[nn.Module, Tokenizer | None, list[int]]:
     """The model (its decoder layers streamed when ``offload`` says so: the streamer is
     ``model.weight_streamer``), its tokenizer and end-of-sequence ids. ``quantized_matmul``
-    ``"auto"``: a compressed-tensors folder's int8 per-channel linears compute with int8
-    weight-only matmuls (:mod:`zeal.inference.quant_linear`) instead of being dequantized."""
+    ``"auto"`` (bf16) or ``"int8"`` (bf16 and fp32): a compressed-tensors folder's int8 per-channel
+    linears compute with int8 weight-only matmuls (:mod:`zeal.inference.quant_linear`) instead of being dequantized."""
     from zeal.models.hf import load_hf_model
 
     p = resolve_model_path(path)
@@ -93,10 +93,10 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
     else:
         model, cfg = load_hf_model(p, dtype)
         model = model.to(device)
-        if _check_quantized_matmul(quantized_matmul) == "auto":
+        if _check_quantized_matmul(quantized_matmul) != "off":
             from zeal.inference.quant_linear import apply_quantized_matmuls
 
-            apply_quantized_matmuls(model, p, cfg)
+            apply_quantized_matmuls(model, p, cfg, quantized_matmul)
     eos = cfg.get("eos_token_id")
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     return model, Tokenizer.from_folder(p), eos_ids
@@ -145,8 +145,8 @@ class LLM:
     decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`);
     ``weights_offload_quant`` (``"int8"`` or ``"int4"``) stores the streamed layers' 2-d
     weights as group-wise codes with bf16 scales, reading about 2x / 4x fewer bytes a pass.
-    ``quantized_matmul="auto"`` serves a compressed-tensors folder's int8 per-channel linears
-    with int8 weight-only matmuls instead of dequantizing them (:mod:`zeal.inference.quant_linear`;
+    ``quantized_matmul="auto"`` (bf16) or ``"int8"`` (bf16 and fp32) serves a compressed-tensors
+    folder's int8 per-channel linears with int8 weight-only matmuls instead of dequantizing them (:mod:`zeal.inference.quant_linear`;
     serve-only: ``load_weights`` refuses such a model).
 
     ``speculative_config`` (vLLM's shape) turns on speculative decoding for greedy
@@ -170,8 +170,9 @@ class LLM:
                  weights_offload_quant: str = "none", tensor_parallel_size: int = 1, quantized_matmul: str = "off",
                  **engine_kwargs) -> None:
         dtype = torch_dtype(dtype, str(device))
-        if _check_quantized_matmul(quantized_matmul) != "off" and (tensor_parallel_size != 1 or weights_offload != "none"):
-            raise ValueError("quantized_matmul 'auto' serves a resident, unsplit model: not with "
+        qmm = _check_quantized_matmul(quantized_matmul)
+        if qmm != "off" and (tensor_parallel_size != 1 or weights_offload != "none"):
+            raise ValueError(f"quantized_matmul {quantized_matmul!r} serves a resident, unsplit model: not with "
                              "tensor_parallel_size > 1 or weights_offload")
         offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir, weights_offload_quant)
         self.tp = None
@@ -286,7 +287,7 @@ class LLM:
         from zeal.inference.quant_linear import has_quantized_linears
 
         if has_quantized_linears(self.engine.runner.model):
-            raise ValueError("load_weights: this model computes with int8 weight codes (quantized_matmul='auto') "
+            raise ValueError("load_weights: this model computes with int8 weight codes (quantized_matmul) "
                              "and is serve-only; load it with quantized_matmul='off' to update weights in place")
         return self.engine.load_weights(named_tensors)
 

@@ -3,10 +3,14 @@
 A folder written by ``zeal compress --format compressed-tensors`` stores each quantized
 linear as int codes and scales. By default they are dequantized on load
 (:func:`zeal.compression.export.decompress_state`); with ``quantized_matmul="auto"`` the
-linears whose group is int8 per output channel keep their codes and compute with
+(bf16 serving) or ``"int8"`` (bf16 and fp32) the linears whose group is int8 per output
+channel keep their codes and compute with
 PyTorch's CPU kernel ``torch._weight_int8pack_mm(x, codes [out, in], scales [out])``,
 which multiplies by the int8 codes and applies the per-channel scale to the result: the
-weights stay resident at one byte each instead of two (bf16) or four (fp32).
+weights stay resident at one byte each instead of two (bf16) or four (fp32). It trades
+speed for memory: on this project's 2-core CPU, SmolLM2-135M in bf16 serves at 0.61x the
+dequantized folder's tokens/s (oneDNN's packed bf16 GEMM is faster) with 210 MiB resident
+instead of 513 MiB; fp32 runs at 0.05x (``bench/compression/bench_serve_compressed.py``).
 
 What the kernel supports, and so where the swap happens (elsewhere: dequantized as before):
 CPU, activations fp32 or bf16 (the scales held in the activation dtype), 2-d inputs (the
@@ -30,18 +34,20 @@ from torch import nn
 __all__ = ["Int8Linear", "QUANTIZED_MATMUL_MODES", "apply_quantized_matmuls", "has_quantized_linears",
            "int8_channel_codes"]
 
-QUANTIZED_MATMUL_MODES = ("off", "auto")
+QUANTIZED_MATMUL_MODES = ("off", "auto", "int8")
 
 
 def _kernel_available() -> bool:
     return hasattr(torch, "_weight_int8pack_mm")
 
 
-def int8_supported(in_features: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``torch._weight_int8pack_mm`` computes this layer correctly (see module docstring)."""
+def int8_supported(in_features: int, dtype: torch.dtype, device: torch.device, mode: str = "int8") -> bool:
+    """Whether ``torch._weight_int8pack_mm`` computes this layer correctly (see module
+    docstring); ``mode="auto"`` also leaves fp32 out (the kernel's fp32 path is ~20x slower
+    than oneDNN's fp32 GEMM on SmolLM2's shapes)."""
     if device.type != "cpu" or not _kernel_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and in_features % 16 == 0)
+    return (dtype == torch.float32 and mode == "int8") or (dtype == torch.bfloat16 and in_features % 16 == 0)
 
 
 class Int8Linear(nn.Module):
@@ -126,7 +132,8 @@ def _in_channel_group(layer: str, targets: list[tuple[str, int]], channel: set[s
     return False
 
 
-def apply_quantized_matmuls(model: nn.Module, folder: str | Path, cfg: dict | None = None) -> int:
+def apply_quantized_matmuls(model: nn.Module, folder: str | Path, cfg: dict | None = None,
+                            mode: str = "auto") -> int:
     """Swap each plain ``nn.Linear`` of ``model`` (loaded from the compressed-tensors
     ``folder``) that is int8 per channel there, and that the kernel supports, for an
     :class:`Int8Linear`. Returns how many were swapped (0 for a dense folder)."""
@@ -142,7 +149,7 @@ def apply_quantized_matmuls(model: nn.Module, folder: str | Path, cfg: dict | No
         if type(lin) is not nn.Linear or tuple(lin.weight.shape) != tuple(q.shape):
             continue
         w = lin.weight
-        if not int8_supported(lin.in_features, w.dtype, w.device):
+        if not int8_supported(lin.in_features, w.dtype, w.device, mode):
             continue
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear(q.to(w.device), scale.to(w.device), lin.bias, w.dtype))
