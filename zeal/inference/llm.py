@@ -146,8 +146,8 @@ class LLM:
     ``weights_offload_quant`` (``"int8"`` or ``"int4"``) stores the streamed layers' 2-d
     weights as group-wise codes with bf16 scales, reading about 2x / 4x fewer bytes a pass.
     ``quantized_matmul="auto"`` (bf16) or ``"int8"`` (bf16 and fp32) serves a compressed-tensors
-    folder's int8 per-channel linears with int8 weight-only matmuls instead of dequantizing them (:mod:`zeal.inference.quant_linear`;
-    serve-only: ``load_weights`` refuses such a model).
+    folder's int8 per-channel linears with int8 weight-only matmuls instead of dequantizing
+    them (:mod:`zeal.inference.quant_linear`; serve-only: ``load_weights`` refuses such a model).
 
     ``speculative_config`` (vLLM's shape) turns on speculative decoding for greedy
     requests: ``{"method": "ngram", ...}`` (prompt lookup) or ``{"method": "draft_model",
