@@ -63,7 +63,7 @@ def test_serve_flags_come_from_the_inference_section(capsys):
              "--num-blocks", "--kv-cache-mb", "--max-num-batched-tokens", "--max-num-seqs", "--max-model-len",
              "--max-waiting", "--no-prefix-caching", "--threads", "--log-level", "--no-transparent-hugepages",
              "--speculative-config", "--weights-offload", "--max-resident-weights-gb", "--offload-dir",
-             "--weights-offload-quant",
+             "--weights-offload-quant", "--quantized-matmul",
              "--tensor-parallel-size", "--no-engine-process"]
     for flag in flags:
         assert flag in out, flag

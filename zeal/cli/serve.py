@@ -139,7 +139,8 @@ def load_engine(cfg: InferenceConfig):
     dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
     offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir,
                              cfg.weights_offload_quant)
-    model, tok, eos = load_model_and_tokenizer(resolve_model_path(cfg.model), dtype, cfg.device, offload)
+    model, tok, eos = load_model_and_tokenizer(resolve_model_path(cfg.model), dtype, cfg.device, offload,
+                                               cfg.quantized_matmul)
     return LLMEngine(model, tok, cfg.engine, eos)
 
 
@@ -183,6 +184,9 @@ def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):
 
     if cfg.weights_offload != "none":
         raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
+                         f"{cfg.tensor_parallel_size}")
+    if cfg.quantized_matmul != "off":
+        raise ValueError(f"--quantized-matmul {cfg.quantized_matmul} is not supported with --tensor-parallel-size "
                          f"{cfg.tensor_parallel_size}")
     dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
     model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)

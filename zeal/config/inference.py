@@ -131,6 +131,10 @@ class InferenceConfig(Section):
         "none", description="With weights_offload: store the streamed layers' weight matrices as int8 or int4 "
         "codes (symmetric, groups of 128 input weights, bf16 scales), dequantized on arrival; about 2x / 4x "
         "fewer bytes read per pass; none = the serving dtype.")
+    quantized_matmul: Literal["off", "auto", "int8"] = Field(
+        "off", description="auto (bf16) or int8 (bf16 and fp32): a compressed-tensors folder's int8 per-channel "
+        "linears compute with int8 weight-only matmuls on CPU (torch._weight_int8pack_mm; 1 byte per weight "
+        "resident, slower than the dequantized GEMM here); off: dequantized on load to the serving dtype.")
     offload_dir: str | None = Field(
         None, description="Folder of the layer files with weights_offload (written once per model and dtype); "
         "None = under zeal's cache.")

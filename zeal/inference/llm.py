@@ -73,9 +73,11 @@ def torch_dtype(dtype: torch.dtype | str, device: str = "cpu") -> torch.dtype:
 
 def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
                              device: str | torch.device = "cpu", offload: WeightsOffload | None = None,
-                             ) -> tuple[nn.Module, Tokenizer | None, list[int]]:
+                             quantized_matmul: str = "off") -> tuple[nn.Module, Tokenizer | None, list[int]]:
     """The model (its decoder layers streamed when ``offload`` says so: the streamer is
-    ``model.weight_streamer``), its tokenizer and end-of-sequence ids."""
+    ``model.weight_streamer``), its tokenizer and end-of-sequence ids. ``quantized_matmul``
+    ``"auto"`` (bf16) or ``"int8"`` (bf16 and fp32): a compressed-tensors folder's int8 per-channel
+    linears compute with int8 weight-only matmuls (:mod:`zeal.inference.quant_linear`) instead of being dequantized."""
     from zeal.models.hf import load_hf_model
 
     p = resolve_model_path(path)
@@ -91,9 +93,21 @@ def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype 
     else:
         model, cfg = load_hf_model(p, dtype)
         model = model.to(device)
+        if _check_quantized_matmul(quantized_matmul) != "off":
+            from zeal.inference.quant_linear import apply_quantized_matmuls
+
+            apply_quantized_matmuls(model, p, cfg, quantized_matmul)
     eos = cfg.get("eos_token_id")
     eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
     return model, Tokenizer.from_folder(p), eos_ids
+
+
+def _check_quantized_matmul(mode: str) -> str:
+    from zeal.inference.quant_linear import QUANTIZED_MATMUL_MODES
+
+    if mode not in QUANTIZED_MATMUL_MODES:
+        raise ValueError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMUL_MODES)}, got {mode!r}")
+    return mode
 
 
 def _draft_instance(engine_kwargs: dict) -> nn.Module | None:
@@ -131,6 +145,9 @@ class LLM:
     decoder layers (ZeRO-Inference; :mod:`zeal.inference.weight_stream`);
     ``weights_offload_quant`` (``"int8"`` or ``"int4"``) stores the streamed layers' 2-d
     weights as group-wise codes with bf16 scales, reading about 2x / 4x fewer bytes a pass.
+    ``quantized_matmul="auto"`` (bf16) or ``"int8"`` (bf16 and fp32) serves a compressed-tensors
+    folder's int8 per-channel linears with int8 weight-only matmuls instead of dequantizing
+    them (:mod:`zeal.inference.quant_linear`; serve-only: ``load_weights`` refuses such a model).
 
     ``speculative_config`` (vLLM's shape) turns on speculative decoding for greedy
     requests: ``{"method": "ngram", ...}`` (prompt lookup) or ``{"method": "draft_model",
@@ -150,8 +167,13 @@ class LLM:
                  *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                  eos_token_ids: list[int] | None = None, weights_offload: str = "none",
                  max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
-                 weights_offload_quant: str = "none", tensor_parallel_size: int = 1, **engine_kwargs) -> None:
+                 weights_offload_quant: str = "none", tensor_parallel_size: int = 1, quantized_matmul: str = "off",
+                 **engine_kwargs) -> None:
         dtype = torch_dtype(dtype, str(device))
+        qmm = _check_quantized_matmul(quantized_matmul)
+        if qmm != "off" and (tensor_parallel_size != 1 or weights_offload != "none"):
+            raise ValueError(f"quantized_matmul {quantized_matmul!r} serves a resident, unsplit model: not with "
+                             "tensor_parallel_size > 1 or weights_offload")
         offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir, weights_offload_quant)
         self.tp = None
         self.is_driver = True
@@ -165,7 +187,7 @@ class LLM:
                 raise ValueError("weights_offload needs a model folder (its layers are streamed from files)")
             module, tok, eos = model.eval(), None, list(eos_token_ids or [])
         else:
-            module, tok, eos = load_model_and_tokenizer(model, dtype, device, offload)
+            module, tok, eos = load_model_and_tokenizer(model, dtype, device, offload, quantized_matmul)
             eos += list(eos_token_ids or [])
         if tokenizer is not None:  # the caller's tokenizer replaces the model folder's
             tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -262,6 +284,11 @@ class LLM:
         if getattr(self.engine.runner.model, "weight_streamer", None) is not None:
             raise ValueError("load_weights: this model's layers are streamed from files (weights_offload); "
                              "load it without weights_offload to update weights in place")
+        from zeal.inference.quant_linear import has_quantized_linears
+
+        if has_quantized_linears(self.engine.runner.model):
+            raise ValueError("load_weights: this model computes with int8 weight codes (quantized_matmul) "
+                             "and is serve-only; load it with quantized_matmul='off' to update weights in place")
         return self.engine.load_weights(named_tensors)
 
     def sleep(self, level: int = 1) -> None:
