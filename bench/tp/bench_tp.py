@@ -1,7 +1,7 @@
 """Tensor parallelism: zeal's TP step beside PyTorch's own (``parallelize_module`` with the
 same ColwiseParallel / RowwiseParallel plan), same model, same batch, same ranks.
 
-    flock /tmp/zeal-heavy.lock python bench/tp/bench_tp.py [--world 4] [--steps 6] [--ds /work/peers/ds/bin/python]
+    flock /tmp/zeal-heavy.lock python bench/tp/bench_tp.py [--world 4] [--steps 6] [--size small|124m] [--ds PYTHON] [--ds /work/peers/ds/bin/python]
 
 With ``--ds PYTHON`` (DeepSpeed 0.19.8's own venv), DeepSpeed AutoTP trains the same model
 in the same run (``ds_autotp_peer.py``, ``DS_ACCELERATOR=cpu``) and is printed beside.
@@ -28,7 +28,10 @@ import socket
 import statistics
 import time
 
-HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH = 256, 688, 4, 8, 4, 1024, 128, 4
+# hidden, intermediate, layers, heads, kv heads, vocab, seq, batch; "124m": a 124M-parameter Llama (GQA)
+SIZES = {"small": (256, 688, 4, 8, 4, 1024, 128, 4), "124m": (768, 2048, 12, 12, 4, 32000, 128, 4)}
+SIZE_ENV = "ZEAL_BENCH_TP_SIZE"  # read at import, so spawned ranks and DeepSpeed's peer build the same model
+HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH = SIZES[os.environ.get(SIZE_ENV, "small")]
 
 
 def build():
@@ -138,7 +141,11 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--ds", default=None, help="DeepSpeed's venv python: run AutoTP beside (ds_autotp_peer.py)")
+    ap.add_argument("--size", choices=sorted(SIZES), default=os.environ.get(SIZE_ENV, "small"))
     a = ap.parse_args()
+    os.environ[SIZE_ENV] = a.size
+    global HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH
+    HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH = SIZES[a.size]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
