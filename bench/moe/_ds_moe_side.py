@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import socket
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +25,7 @@ def _rank(rank: int, a, port: int, q) -> None:
 
     torch.set_num_threads(1)
     import deepspeed
-    from _moe_gpt import MoEGPT, batch, install_byte_counter
+    from _moe_gpt import MoEGPT, timed_steps
     from deepspeed.moe.layer import MoE
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -39,17 +38,7 @@ def _rank(rank: int, a, port: int, q) -> None:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
            "zero_optimization": {"stage": a.stage}, "steps_per_print": 10 ** 9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
-    counts = install_byte_counter()
-    times, per_step = [], []
-    for step in range(a.steps):
-        before = sum(counts.values())
-        t0 = time.perf_counter()
-        loss = engine(batch(rank, a.micro, step))
-        engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        per_step.append(sum(counts.values()) - before)
-    q.put({"rank": rank, "times": times, "bytes": per_step, "by_op": dict(counts), "loss": float(loss)})
+    q.put(timed_steps(engine, rank, a.micro, a.steps))
 
 
 def main() -> None:

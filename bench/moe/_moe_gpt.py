@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,22 @@ def batch(rank: int, micro: int, step: int) -> torch.Tensor:
     """Rank ``rank``'s micro-batch of step ``step`` (same ids on both sides)."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randint(0, VOCAB, (micro, SEQ), generator=g)
+
+
+def timed_steps(engine, rank: int, micro: int, steps: int) -> dict:
+    """Train ``steps`` steps of a DeepSpeed-shaped engine (``engine(x)``, ``backward``, ``step``)
+    with the byte counter on: per-step seconds and bytes, bytes by op, the last loss."""
+    counts = install_byte_counter()
+    times, per_step = [], []
+    for step in range(steps):
+        before = sum(counts.values())
+        t0 = time.perf_counter()
+        loss = engine(batch(rank, micro, step))
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        per_step.append(sum(counts.values()) - before)
+    return {"rank": rank, "times": times, "bytes": per_step, "by_op": dict(counts), "loss": float(loss.detach())}
 
 
 # op → (position of the tensor this rank sends, bytes leaving the rank per byte of it on n ranks)

@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -42,7 +41,7 @@ def _rank(rank: int, a, world: int, port: int, dispatch: str, q) -> None:
     import torch
 
     torch.set_num_threads(1)
-    from _moe_gpt import MoEGPT, batch, install_byte_counter
+    from _moe_gpt import MoEGPT, timed_steps
 
     import zeal
     from zeal.moe import MoE
@@ -53,18 +52,9 @@ def _rank(rank: int, a, world: int, port: int, dispatch: str, q) -> None:
                              {"train_micro_batch_size_per_gpu": a.micro, "gradient_accumulation_steps": 1,
                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
                               "zero_optimization": {"stage": a.stage}})
-    counts = install_byte_counter()
-    times, per_step = [], []
-    for step in range(a.steps):
-        before = sum(counts.values())
-        t0 = time.perf_counter()
-        loss = engine(batch(rank, a.micro, step))
-        engine.backward(loss)
-        engine.step()
-        times.append(time.perf_counter() - t0)
-        per_step.append(sum(counts.values()) - before)
+    result = timed_steps(engine, rank, a.micro, a.steps)
     own = engine.comm_stats()["last_step"]
-    q.put({"rank": rank, "times": times, "bytes": per_step, "by_op": dict(counts), "loss": float(loss.detach()),
+    q.put({**result,
            "zeal_bytes": own["bytes"] if "bytes" in own else sum(v["bytes"] for v in own["by_op"].values()),
            "zeal_by_op": {k: v["bytes"] for k, v in own["by_op"].items()}})
     engine.close()

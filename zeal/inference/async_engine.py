@@ -27,7 +27,58 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full (the server answers 429)."""
 
 
-class AsyncEngine:
+class StreamFront:
+    """The asyncio side both engine hosts share: one ``asyncio.Queue`` per request, filled
+    from the host's own thread by :meth:`_deliver`. Subclasses admit a request in
+    :meth:`_submit` (registering its stream under ``self._lock``) and cancel one in
+    :meth:`abort`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue]) -> None:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; closing the iterator early aborts it."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q))
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _deliver(self, request_id: str, item) -> None:
+        """Hand ``item`` (an output or an exception) to the request's stream, if still open."""
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.abort(request_id)
+
+
+class AsyncEngine(StreamFront):
     """Thread-hosted :class:`LLMEngine` with an asyncio front.
 
     ``max_waiting`` bounds requests accepted but not yet admitted to the running
@@ -35,11 +86,10 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        super().__init__()
         self.engine = engine
         self.max_waiting = max_waiting
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()
         self._pending_adds = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -65,49 +115,20 @@ class AsyncEngine:
         return self.engine.num_waiting + self._pending_adds
 
     # ------------------------------------------------------------ API (event loop side)
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request; closing the iterator early aborts it."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream) -> None:
         with self._lock:
             if self.num_waiting >= self.max_waiting:
                 self.engine.metrics.rejected_total += 1
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             self._pending_adds += 1
-            self._streams[request_id] = (loop, q)
+            self._streams[request_id] = stream
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
         self._inbox.put(("add", request_id, prompt_ids, params))
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                yield out
-                if out.finished:
-                    finished = True
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self._inbox.put(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
     # ------------------------------------------------------------ engine thread
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self.engine.abort(request_id)
-
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
             _, rid, prompt_ids, params = cmd

@@ -23,18 +23,16 @@ with an error and new requests are refused with 503.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import multiprocessing as mp
 import threading
 import time
-from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
-from zeal.inference.async_engine import QueueFullError
+from zeal.inference.async_engine import QueueFullError, StreamFront
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.sampling_params import SamplingParams
@@ -97,13 +95,14 @@ def metrics_snapshot(m: EngineMetrics) -> dict:
                 "tpot": [list(m.tpot.counts), m.tpot.sum, m.tpot.count]}
 
 
-class EngineProcess:
+class EngineProcess(StreamFront):
     """An :class:`LLMEngine` built from ``cfg`` (an ``InferenceConfig``) in a child process,
     with the asyncio front of :class:`AsyncEngine`. Construction waits until the model is
     loaded (``startup_timeout`` seconds) and raises ``ValueError`` with the child's message
     if loading failed."""
 
     def __init__(self, cfg, tokenizer, max_waiting: int = 256, startup_timeout: float = 600.0) -> None:
+        super().__init__()
         self.max_waiting = max_waiting
         self.tokenizer = tokenizer
         ctx = mp.get_context("spawn")
@@ -126,8 +125,7 @@ class EngineProcess:
                                       vocab_size=hello["vocab_size"], num_running=0, num_waiting=0,
                                       bm=SimpleNamespace(num_used_blocks=0, num_blocks=hello["num_blocks"]),
                                       metrics=MetricsView())
-        self._send_lock, self._lock = threading.Lock(), threading.Lock()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._send_lock = threading.Lock()
         self._adds_sent = self._adds_applied = 0
         self._dead: str | None = None
         self._reader: threading.Thread | None = None
@@ -167,18 +165,14 @@ class EngineProcess:
         with self._send_lock:
             _send(self._conn, msg)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request; closing the iterator early aborts it."""
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream) -> None:
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError(f"the engine process is not running: {self._dead}")
             if self.num_waiting >= self.max_waiting:
                 self.engine.metrics.rejected_total += 1
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
-            self._streams[request_id] = (loop, q)
+            self._streams[request_id] = stream
             self._adds_sent += 1
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
             try:
@@ -187,22 +181,6 @@ class EngineProcess:
             except (OSError, ValueError) as e:  # the pipe is closed: the child is gone
                 self._streams.pop(request_id, None)
                 raise RuntimeError(f"the engine process is not running ({type(e).__name__})") from None
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                yield out
-                if out.finished:
-                    finished = True
-                    return
-        finally:
-            with self._lock:
-                self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         try:
@@ -211,16 +189,6 @@ class EngineProcess:
             pass  # the child is gone: nothing to abort
 
     # ------------------------------------------------------------ reader thread
-    def _deliver(self, request_id: str, item) -> None:
-        with self._lock:
-            target = self._streams.get(request_id)
-        if target is not None:
-            loop, q = target
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self.abort(request_id)
-
     def _apply_stats(self, stats: dict) -> None:
         e = self.engine
         with self._lock:
