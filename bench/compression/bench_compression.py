@@ -58,6 +58,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--calib-blocks", type=int, default=8)
     ap.add_argument("--eval-blocks", type=int, default=16)
     ap.add_argument("--admm-metric", choices=("activation", "euclidean"), default="activation")
+    ap.add_argument("--admm-objective", choices=("reconstruction", "loss"), default="reconstruction")
+    ap.add_argument("--admm-iters", type=int, default=60, help="reconstruction ADMM iterations")
     ap.add_argument("--admm-penalty", choices=("prox", "grad"), default="prox")
     ap.add_argument("--admm-fraction", type=float, default=0.25)
     ap.add_argument("--admm-interval", type=int, default=1)
@@ -72,14 +74,17 @@ def _runs(args: argparse.Namespace) -> dict[str, CompressJob]:
     k = args.steps
     common = {"steps": k, "lr": args.lr, "batch": args.batch, "loss": args.loss}
     admm = {"admm_metric": args.admm_metric, "admm_penalty": args.admm_penalty, "admm_fraction": args.admm_fraction,
-            "admm_interval": args.admm_interval, "rho": args.rho, "rho_max": args.rho_max}
-    ka = int(k * args.admm_fraction)
+            "admm_interval": args.admm_interval, "rho": args.rho, "rho_max": args.rho_max,
+            "admm_objective": args.admm_objective, "admm_iters": args.admm_iters}
+    ka = int(k * args.admm_fraction) if args.admm_objective == "loss" else 0
+    admm_name = f"2:4 admm {ka} + {k - ka} steps" if ka else f"2:4 admm recon + {k} steps"
     runs = {
         "2:4 magnitude one-shot": CompressJob(2, 4, "magnitude"),
         "2:4 wanda one-shot": CompressJob(2, 4, "wanda"),
+        "2:4 admm recon one-shot": CompressJob(2, 4, "admm", admm_iters=args.admm_iters),
         f"2:4 magnitude + {k} steps": CompressJob(2, 4, "magnitude", **common),
         f"2:4 wanda + {k} steps": CompressJob(2, 4, "wanda", **common),
-        f"2:4 admm {ka} + {k - ka} steps": CompressJob(2, 4, "admm", **common, **admm),
+        admm_name: CompressJob(2, 4, "admm", **common, **admm),
         "int8 PTQ": CompressJob(None, 4, bits=8),
         "int4 PTQ": CompressJob(None, 4, bits=4),
         f"int4 QAT {k} steps": CompressJob(None, 4, bits=4, **common),

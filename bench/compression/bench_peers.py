@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 import zeal.compression.calibration as calibration
 from zeal.cli.compress import write_folder
+from zeal.compression.admm_layerwise import reconstruction_admm
 from zeal.compression.calibration import blocks, perplexity, split_text
 from zeal.compression.modules import (
     QuantSpec,
@@ -48,12 +49,13 @@ HERE = Path(__file__).resolve().parent
 ZEAL_RUNS = {  # name: (n, m, method, bits, group_size)
     "2:4 magnitude": (2, 4, "magnitude", None, None),
     "2:4 wanda": (2, 4, "wanda", None, None),
+    "2:4 admm": (2, 4, "admm", None, None),  # ADMM on each linear's output reconstruction
     "int8 per-channel": (None, 4, "magnitude", 8, None),
     "int4 per-channel": (None, 4, "magnitude", 4, None),
     "int4 g64": (None, 4, "magnitude", 4, 64),
 }
 # peer run -> the zeal row it is set beside
-LLMC_RUNS = {"sparsegpt 2:4": "2:4 wanda", "wanda 2:4": "2:4 wanda", "rtn w8a16 ch": "int8 per-channel",
+LLMC_RUNS = {"sparsegpt 2:4": "2:4 admm", "wanda 2:4": "2:4 wanda", "rtn w8a16 ch": "int8 per-channel",
              "gptq w8a16 ch": "int8 per-channel", "rtn w4a16 g64": "int4 g64", "gptq w4a16 g64": "int4 g64"}
 TORCHAO_RUNS = {"2:4 semi-structured": "2:4 magnitude", "2:4 magnitude (fake sparsity)": "2:4 magnitude",
                 "2:4 wanda": "2:4 wanda", "int8 weight-only": "int8 per-channel",
@@ -71,6 +73,8 @@ def _zeal_run(base, calib, spec: tuple) -> tuple[torch.nn.Module, float, dict]:
         if method == "wanda":
             norms = collect_input_norms(model, targets, lambda: perplexity(model, calib))
             masks = wanda_masks(targets, n, m, norms)
+        elif method == "admm":
+            masks, _ = reconstruction_admm(targets, lambda: perplexity(model, calib), n, m, log=lambda _: None)
         else:
             masks = magnitude_masks(targets, n, m)
         apply_masks_(model, masks)

@@ -133,7 +133,7 @@ def test_pipeline_admm_reaches_two_four_before_the_hard_prune(metric):
                               initializer_range=0.08))
     data = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(2))
     job = CompressJob(2, 4, "admm", steps=24, lr=1e-3, loss="kd", admm_interval=1, admm_fraction=0.75,
-                      admm_metric=metric, rho=0.02, rho_max=2.0)
+                      admm_objective="loss", admm_metric=metric, rho=0.02, rho_max=2.0)
     report = compress_model(model, data[:2], data[6:], job, log=lambda _: None, train=data[2:6])
     rel = [r.primal_rel for r in report.admm_residuals]
     assert len(rel) == 18 and rel[-1] < 2e-2 and rel[-1] < rel[0] / 5

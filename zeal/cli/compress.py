@@ -28,10 +28,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sparsity", default=None, metavar="N:M", help="keep N of every M weights along the input "
                    "dimension of every linear but the head (for example 2:4); omit for quantization only")
     p.add_argument("--method", choices=("admm", "magnitude", "wanda"), default="magnitude", help="how to prune")
+    p.add_argument("--admm-objective", choices=("reconstruction", "loss"), default="reconstruction",
+                   help="admm: each linear's output error on the calibration text (no steps spent; all --steps "
+                   "fine-tune) or the training loss (NxMTransformer: the first quarter of --steps)")
     p.add_argument("--bits", type=int, choices=(8, 4), default=None, help="weight bits (QAT with --steps, else PTQ)")
     p.add_argument("--group-size", type=int, default=None, help="weights per scale (default: per output channel)")
-    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the fine-tuning text (ADMM: the "
-                   "first quarter ADMM, the rest masked fine-tuning); 0 = one-shot")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps on the fine-tuning text (ADMM on the "
+                   "loss: the first quarter ADMM, the rest masked fine-tuning); 0 = one-shot")
     p.add_argument("--lr", type=float, default=1e-5, help="fine-tuning learning rate (AdamW)")
     p.add_argument("--loss", choices=("ce", "kd"), default="ce", help="fine-tuning loss: next-token cross-entropy "
                    "or distillation from the uncompressed model (KL on the logits)")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {str(src)!r}: zeal compress writes Llama-family folders, not "
                          f"{type(model).__name__}")
     job = CompressJob(n=n, m=m, method=args.method, bits=args.bits, group_size=args.group_size, steps=args.steps,
-                      lr=args.lr, loss=args.loss)
+                      lr=args.lr, loss=args.loss, admm_objective=args.admm_objective)
     calib_text, train_text, eval_text = split_three(args.data)
     calib = blocks(tok.encode(calib_text, add_special_tokens=False), args.seq_len, args.calib_blocks)
     train = blocks(tok.encode(train_text, add_special_tokens=False), args.seq_len,

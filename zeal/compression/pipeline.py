@@ -1,8 +1,11 @@
 """One-process compression of a model (what ``zeal compress`` runs).
 
 1. prune to N:M: one-shot ``magnitude`` or ``wanda`` (activation norms from the
-   calibration blocks), or ``admm`` (the first ``admm_fraction`` of the step budget runs
-   ADMM with AdamW, then the weights are projected);
+   calibration blocks), or ``admm``: with ``admm_objective="reconstruction"`` (default)
+   ADMM on every linear's output error over the calibration blocks
+   (:mod:`zeal.compression.admm_layerwise`; no optimizer steps), with ``"loss"``
+   NxMTransformer's ADMM on the training loss (the first ``admm_fraction`` of the step
+   budget runs ADMM with AdamW, then the weights are projected);
 2. fine-tune the remaining steps with the masks held (masked weights and their AdamW
    moments reset after every step) and, with ``bits``, quantization-aware (QAT);
    with no steps left, ``bits`` is post-training quantization through the same quantizer;
@@ -13,7 +16,7 @@ Every method gets the same number of optimizer steps on the same fine-tuning blo
 cross-entropy (``loss="ce"``) or distillation from the uncompressed model (``loss="kd"``:
 ``KL(p_dense ‖ p_student)`` per token, the dense model a frozen copy taken first).
 
-ADMM's options (see :mod:`zeal.compression.admm`): ``admm_penalty="prox"`` applies the
+The training-loss ADMM's options (see :mod:`zeal.compression.admm`): ``admm_penalty="prox"`` applies the
 penalty as its proximal step after every AdamW step (``"grad"``: through the gradient,
 which Adam normalises); ``admm_metric="activation"`` weights the penalty and the
 projection by ``‖X_j‖²`` per input column, scaled so that its least column is 1 (the
@@ -35,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zeal.compression.admm import ADMM, ADMMResiduals, RhoSchedule
+from zeal.compression.admm_layerwise import reconstruction_admm
 from zeal.compression.calibration import perplexity
 from zeal.compression.hooks import MaskEnforcer
 from zeal.compression.modules import (
@@ -69,6 +73,8 @@ class CompressJob:
     admm_fraction: float = 0.25
     admm_penalty: str = "prox"  # prox | grad
     admm_metric: str = "activation"  # activation | euclidean
+    admm_objective: str = "reconstruction"  # reconstruction | loss
+    admm_iters: int = 60  # reconstruction: ADMM iterations per linear
     rho: float = 0.3  # the best measured on SmolLM2 (bench/compression/README.md)
     rho_max: float = 10.0
     exclude: tuple[str, ...] = ("lm_head", "*.lm_head")
@@ -166,7 +172,8 @@ def _finetune(model: nn.Module, masks: dict[str, torch.Tensor], job: CompressJob
 def _check_job(job: CompressJob) -> None:
     for name, value, allowed in (("method", job.method, ("admm", "magnitude", "wanda")), ("loss", job.loss, ("ce", "kd")),
                                  ("admm_penalty", job.admm_penalty, ("prox", "grad")),
-                                 ("admm_metric", job.admm_metric, ("activation", "euclidean"))):
+                                 ("admm_metric", job.admm_metric, ("activation", "euclidean")),
+                                 ("admm_objective", job.admm_objective, ("reconstruction", "loss"))):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     if not 0 < job.admm_fraction < 1 or not 0 < job.rho <= job.rho_max or job.admm_interval < 1:
@@ -176,6 +183,10 @@ def _check_job(job: CompressJob) -> None:
 
 def _prune(model, targets, job, calib, steps, data, loss_fn, log):
     """Step 1: the masks (and, for ADMM, the steps it used and its residuals)."""
+    if job.method == "admm" and job.admm_objective == "reconstruction":
+        masks, history = reconstruction_admm(targets, lambda: perplexity(model, calib), job.n, job.m,
+                                             iters=job.admm_iters, log=log)
+        return masks, 0, history
     norms = None
     if job.method == "wanda" or (job.method == "admm" and job.admm_metric == "activation"):
         norms = collect_input_norms(model, targets, lambda: perplexity(model, calib))
