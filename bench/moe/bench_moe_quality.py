@@ -46,7 +46,7 @@ def build(kind: str, args) -> nn.Module:
     cfg = GPTConfig(vocab_size=256, n_positions=args.seq, n_embd=args.dim, n_layer=args.layers, n_head=4,
                     num_experts=8 if moe else 0, moe_every=args.moe_every, top_k=2,
                     capacity_factor=args.capacity_factor,
-                    aux_loss_coef=args.aux if kind == "moe-aux" else 0.0)
+                    aux_loss_coef=args.aux if kind == "moe-aux" else 0.0, drop_tokens=not args.dropless)
     model = GPT(cfg)
     for m in model.modules():
         if isinstance(m, MoEMLP):
@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--aux", type=float, default=0.01)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--dropless", action="store_true", help="train without capacity dropping and routing noise "
+                    "(as evaluation and serving route)")
     ap.add_argument("--moe-every", type=int, default=2, help="an MoE MLP every N blocks (2: every other)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--kinds", default="dense,moe-aux,moe-noaux")

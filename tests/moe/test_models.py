@@ -63,6 +63,18 @@ def test_eval_routes_every_token_like_one_at_a_time(make):
         assert not torch.allclose(m(x), batch, atol=1e-3)  # training capacity drops tokens
 
 
+@pytest.mark.parametrize("make", [_gpt, _llama])
+def test_dropless_training_routes_as_eval(make):
+    """``drop_tokens=False``: no capacity and no routing noise in training either, so a
+    training forward (no dropout) gives the eval logits even at capacity factor 0.25."""
+    m = make(capacity_factor=0.25, top_k=2, drop_tokens=False)
+    x = torch.randint(0, 61, (3, 10))
+    with torch.no_grad():
+        train = m.train()(x)
+        evals = m.eval()(x)
+    torch.testing.assert_close(train, evals, rtol=1e-5, atol=1e-5)
+
+
 def test_gpt_moe_trains_through_initialize():
     import zeal
     from zeal.config.job import JobSpec

@@ -5,7 +5,7 @@
 
 No --model: the embedded SmolLM2-135M-Instruct. No --data: Python's documentation
 topics (pydoc_data), every fifth topic held out for the perplexity printed before and
-after, every fifth other one the calibration text (Wanda's activation norms), the rest
+after, every fifth other one the calibration text (Wanda's activation norms, ADMM's Gram matrices), the rest
 the fine-tuning text (--steps); a --data FILE is split the same way by paragraphs. The output folder loads in `zeal serve DIR` and, in the compressed-tensors
 format, in vLLM and llm-compressor (int4/int8 weights packed with their scales; the
 2:4 zeros are stored as values, recorded in the config when the weights are quantized).

@@ -44,6 +44,7 @@ class GPTConfig:
     capacity_factor: float = 1.0
     aux_loss_coef: float = 0.01
     ep_size: int = 1
+    drop_tokens: bool = True  # False: dropless training (no capacity, no routing noise)
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -127,7 +128,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
         self.mlp = MLP(cfg)
         if is_moe_block(cfg.num_experts, cfg.moe_every, layer_idx):
-            self.mlp = MoEMLP(cfg.n_embd, self.mlp, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.ep_size)
+            self.mlp = MoEMLP(cfg.n_embd, self.mlp, cfg.num_experts, cfg.top_k, cfg.capacity_factor, cfg.ep_size,
+                              drop_tokens=cfg.drop_tokens)
 
     def forward(self, x: torch.Tensor, attention: Attention = DENSE) -> torch.Tensor:
         ops = fused_ops(attention)
