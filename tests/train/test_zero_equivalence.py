@@ -6,7 +6,10 @@ per-rank gradients in a different order than the reference's single backward, so
 values agree to fp32 rounding, not bitwise; after 5 Adam steps with clipping we
 require max |Δ| ≤ 2e-6 on parameters (Adam divides by sqrt(v), which can turn a
 1-ulp gradient difference into a relative update difference of the same size,
-times lr = 1e-2) and ≤ 1e-6 on losses. bf16 compute is compared with the fp32
+times lr = 1e-2) and within 4 ulp (relative 4.8e-7) on losses: a rank's mean of half
+the batch, averaged over ranks, rounds differently from the mean of the whole batch,
+and by how much depends on the CPU's kernels (1.4e-6 = 1.5 ulp on a loss of 8.5 on one
+machine, under 1e-6 on another). bf16 compute is compared with the fp32
 run loosely (bf16 has an 8-bit mantissa): losses within 3e-2 absolute.
 """
 
@@ -19,6 +22,7 @@ from tests.dist_harness import run_ranks
 from tests.train.models import TinyNet, make_batches
 
 STEPS, ACCUM, MICRO, LR, CLIP = 5, 2, 2, 1e-2, 0.05
+LOSS_RTOL = 4 * torch.finfo(torch.float32).eps  # 4 ulp: which ulp a sum lands on depends on the CPU's kernels
 
 
 def _config(stage: int, bf16: bool = False) -> dict:
@@ -79,7 +83,7 @@ def _check(results, world: int, stages: list[int], blocks: int = 0) -> None:
     for stage in stages:
         for r in range(world):
             losses, norms, state = results[r][stage]
-            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, (stage, losses, ref_losses)
+            assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= LOSS_RTOL, (stage, losses, ref_losses)
             assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) <= 1e-5, (stage, norms, ref_norms)
             for k, v in ref_state.items():
                 d = (torch.from_numpy(state[k]) - v.float()).abs().max().item()
