@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from zeal.compression.admm import ADMM, ADMMResiduals, RhoSchedule
+from zeal.compression.modules import feed_inputs
 from zeal.compression.nm import nm_mask
 
 __all__ = ["collect_grams", "reconstruction_admm", "target_groups"]
@@ -46,19 +47,12 @@ def collect_grams(targets: dict[str, nn.Linear], run: Callable[[], None]) -> dic
     grams = {k: torch.zeros(lin.in_features, lin.in_features) for k, lin in targets.items()}
     tokens = dict.fromkeys(targets, 0)
 
-    def hook(name: str):
-        def fn(_mod: nn.Module, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            grams[name].addmm_(x.T, x)
-            tokens[name] += x.shape[0]
-        return fn
+    def consume(name: str, x: torch.Tensor) -> None:
+        x = x.float()
+        grams[name].addmm_(x.T, x)
+        tokens[name] += x.shape[0]
 
-    handles = [lin.register_forward_pre_hook(hook(k)) for k, lin in targets.items()]
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
+    feed_inputs(targets, run, consume)
     missing = [k for k, t in tokens.items() if t == 0]
     if missing:
         raise ValueError(f"no calibration input reached {missing[0]!r}: it is not called by the model's forward")

@@ -24,7 +24,7 @@ from torch import nn
 from zeal.compression.nm import nm_mask
 from zeal.compression.quant import fake_quant, fake_quant_activation, quantize_dequantize
 
-__all__ = ["QATLinear", "QuantSpec", "apply_masks_", "collect_input_norms", "linear_targets", "magnitude_masks",
+__all__ = ["QATLinear", "QuantSpec", "apply_masks_", "collect_input_norms", "feed_inputs", "linear_targets", "magnitude_masks",
            "ptq_", "swap_qat", "wanda_masks"]
 
 
@@ -87,16 +87,14 @@ def wanda_masks(targets: dict[str, nn.Linear], n: int, m: int, norms: dict[str, 
 
 
 @torch.no_grad()
-def collect_input_norms(model: nn.Module, targets: dict[str, nn.Linear],
-                        run: Callable[[], None]) -> dict[str, torch.Tensor]:
-    """``‖X_j‖₂`` per input feature of every target linear while ``run()`` feeds the
-    calibration data through ``model``."""
-    sums = {k: torch.zeros(lin.in_features, dtype=torch.float64) for k, lin in targets.items()}
+def feed_inputs(targets: dict[str, nn.Linear], run: Callable[[], None],
+                consume: Callable[[str, torch.Tensor], None]) -> None:
+    """Call ``consume(name, x)`` with every target linear's input, flattened to ``[tokens,
+    in]`` and detached, while ``run()`` feeds the calibration data through the model."""
 
     def hook(name: str):
         def fn(_mod: nn.Module, args: tuple) -> None:
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            sums[name] += x.pow(2).sum(0)
+            consume(name, args[0].detach().reshape(-1, args[0].shape[-1]))
         return fn
 
     handles = [lin.register_forward_pre_hook(hook(k)) for k, lin in targets.items()]
@@ -105,6 +103,14 @@ def collect_input_norms(model: nn.Module, targets: dict[str, nn.Linear],
     finally:
         for h in handles:
             h.remove()
+
+
+def collect_input_norms(model: nn.Module, targets: dict[str, nn.Linear],
+                        run: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """``‖X_j‖₂`` per input feature of every target linear while ``run()`` feeds the
+    calibration data through ``model``."""
+    sums = {k: torch.zeros(lin.in_features, dtype=torch.float64) for k, lin in targets.items()}
+    feed_inputs(targets, run, lambda name, x: sums[name].add_(x.double().pow(2).sum(0)))
     return {k: v.sqrt().float() for k, v in sums.items()}
 
 
