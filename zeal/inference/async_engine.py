@@ -8,6 +8,7 @@ into one ``asyncio.Queue`` per request.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import queue
@@ -27,7 +28,7 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full (the server answers 429)."""
 
 
-class StreamFront:
+class StreamFront(abc.ABC):
     """The asyncio side both engine hosts share: one ``asyncio.Queue`` per request, filled
     from the host's own thread by :meth:`_deliver`. Subclasses admit a request in
     :meth:`_submit` (registering its stream under ``self._lock``) and cancel one in
@@ -37,12 +38,14 @@ class StreamFront:
         self._lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
 
+    @abc.abstractmethod
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                 stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue]) -> None:
-        raise NotImplementedError
+        """Admit a request and register ``stream`` for it (raise to refuse it)."""
 
+    @abc.abstractmethod
     def abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Cancel a request (a no-op when it has finished)."""
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
