@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import multiprocessing as mp
 import os
 import resource
+import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,3 +61,18 @@ def timed_step(engine, x):
     t2 = time.perf_counter()
     engine.step()
     return loss, t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def spawn_ranks(target, world: int, args: Callable[[int, int, object], tuple]) -> tuple[list, object]:
+    """Start ``world`` spawned processes, rank ``r`` running ``target(*args(r, port, queue))``
+    (``port``: a free loopback port for the process group; ``queue``: what they report on).
+    Returns the processes (started) and the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=args(r, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs, q

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _shared import spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, a, port: int, q) -> None:
@@ -51,14 +52,7 @@ def main() -> None:
     ap.add_argument("--capacity-factor", type=float, default=1.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a, port, q)) for r in range(a.world)]
-    for p in procs:
-        p.start()
+    procs, q = spawn_ranks(_rank, a.world, lambda r, port, q: (r, a, port, q))
     res = sorted((q.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
     for p in procs:
         p.join(timeout=60)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _shared import spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace, q) -> None:
@@ -63,14 +65,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.stages, port, args, q)) for r in range(args.stages)]
-    for p in procs:
-        p.start()
+    procs, q = spawn_ranks(_rank, args.stages, lambda r, port, q: (r, args.stages, port, args, q))
     rows = [r for _ in procs for r in q.get(timeout=600)]
     for p in procs:
         p.join(timeout=30)

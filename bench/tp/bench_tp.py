@@ -22,11 +22,13 @@ torch's plan keeps the head whole (every rank computes all b·s·V logits).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import socket
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _shared import spawn_ranks  # noqa: E402
 
 # hidden, intermediate, layers, heads, kv heads, vocab, seq, batch; "124m": a 124M-parameter Llama (GQA)
 SIZES = {"small": (256, 688, 4, 8, 4, 1024, 128, 4), "124m": (768, 2048, 12, 12, 4, 32000, 128, 4)}
@@ -146,14 +148,7 @@ def main() -> None:
     os.environ[SIZE_ENV] = a.size
     global HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH
     HIDDEN, INTER, LAYERS, HEADS, KV, VOCAB, SEQ, BATCH = SIZES[a.size]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.world, port, a.steps, q)) for r in range(a.world)]
-    for p in procs:
-        p.start()
+    procs, q = spawn_ranks(_rank, a.world, lambda r, port, q: (r, a.world, port, a.steps, q))
     res = sorted(q.get(timeout=600) for _ in procs)
     for p in procs:
         p.join(timeout=30)

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _shared import spawn_ranks  # noqa: E402
 
 
 def _count(world: int, box: dict):
@@ -86,14 +87,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, a.world, port, a.steps, q)) for r in range(a.world)]
-    for p in procs:
-        p.start()
+    procs, q = spawn_ranks(_rank, a.world, lambda r, port, q: (r, a.world, port, a.steps, q))
     res = {}
     try:
         while len(res) < a.world:
