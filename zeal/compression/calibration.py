@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["blocks", "perplexity", "split_text", "split_three"]
+__all__ = ["blocks", "model_logits", "perplexity", "split_text", "split_three"]
 
 EVAL_EVERY = 5
 
@@ -69,14 +69,15 @@ def blocks(ids: list[int], seq_len: int, max_blocks: int | None = None) -> torch
     return torch.tensor(ids[:count * seq_len], dtype=torch.long).view(count, seq_len)
 
 
-def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def model_logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The logits of ``model(x)``, whether it returns them or an output carrying ``.logits``."""
     out = model(x)
     return out.logits if hasattr(out, "logits") else out
 
 
 @torch.no_grad()
 def perplexity(model: nn.Module, data: torch.Tensor, batch: int = 4,
-               logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = _logits) -> float:
+               logits: Callable[[nn.Module, torch.Tensor], torch.Tensor] = model_logits) -> float:
     """exp(mean next-token cross-entropy) over every block of ``data``."""
     was = model.training
     model.eval()

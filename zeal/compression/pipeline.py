@@ -39,7 +39,7 @@ from torch import nn
 
 from zeal.compression.admm import ADMM, ADMMResiduals, RhoSchedule
 from zeal.compression.admm_layerwise import reconstruction_admm
-from zeal.compression.calibration import perplexity
+from zeal.compression.calibration import model_logits, perplexity
 from zeal.compression.hooks import MaskEnforcer
 from zeal.compression.modules import (
     QuantSpec,
@@ -89,11 +89,6 @@ class CompressReport:
     admm_residuals: list[ADMMResiduals] = field(default_factory=list)
 
 
-def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = model(x)
-    return out.logits if hasattr(out, "logits") else out
-
-
 def distill_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of ``KL(softmax(teacher) ‖ softmax(student))`` (logits ``[..., V]``)."""
     s = F.log_softmax(student.float().reshape(-1, student.shape[-1]), -1)
@@ -107,8 +102,8 @@ def _loss_fn(job: CompressJob, teacher: nn.Module | None):
 
     def kd(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            t = _logits(teacher, x)
-        return distill_loss(_logits(model, x), t)
+            t = model_logits(teacher, x)
+        return distill_loss(model_logits(model, x), t)
     return kd
 
 
