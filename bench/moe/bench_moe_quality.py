@@ -2,16 +2,18 @@
 parameters, after the same tokens, one process on CPU.
 
 Models (zeal's GPT, byte vocabulary 256): the dense GPT (MLP width 4·d); the MoE GPT whose
-every other block's MLP is 8 experts of width 2·d routed top-2 (so a token meets 2 · 2·d =
-4·d MLP units, the dense width: the same active parameters per token plus the router),
-trained with the auxiliary load-balancing loss (coefficient ``--aux``) and without it.
-Same initial seed, the same batches of the standard-library corpus (zeal.data.corpus,
-bytes as tokens), AdamW; then the held-out LM loss (aux loss excluded, eval routing: every
+MLP in every ``--moe-every``-th block (default: every block) is 8 experts of width 2·d routed
+top-2 (so a token meets 2 · 2·d = 4·d MLP units, the dense width: the same active parameters
+per token plus the router), trained with the auxiliary load-balancing loss (coefficient
+``--aux``) and without it. Same initial seed, the same batches of the standard-library
+corpus (zeal.data.corpus, bytes as tokens), AdamW with linear warm-up and cosine decay to a
+tenth (``--schedule constant`` for a flat lr); then the held-out LM loss (aux loss excluded, eval routing: every
 token to its top-2 experts) on the corpus tail, and the expert load on that held-out pass:
 max/mean tokens per expert (1.0 = balanced, 8.0 = one expert takes everything; mean over
 MoE layers and the worst layer).
 
-    flock /tmp/zeal-heavy.lock timeout 330 python bench/moe/bench_moe_quality.py --steps 600
+    flock /tmp/zeal-heavy.lock python bench/moe/bench_moe_quality.py          # 1800 steps, ~25 min
+    python bench/moe/bench_moe_quality.py --kinds moe-aux --log-every 100      # one model, its curve
 """
 
 from __future__ import annotations
@@ -82,16 +84,23 @@ def run(kind: str, args, blocks: torch.Tensor) -> dict:
 
     model = build(kind, args)
     n_params, n_active = sum(p.numel() for p in model.parameters()), active_params(model, 2)
-    engine = zeal.initialize(model, {"train_micro_batch_size_per_gpu": args.micro,
-                                     "zero_optimization": {"stage": 1},
-                                     "optimizer": {"type": "AdamW", "params": {"lr": args.lr}}})
+    config = {"train_micro_batch_size_per_gpu": args.micro, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": args.lr}}}
+    if args.schedule == "cosine":  # warm-up, then cosine decay to a tenth of the peak
+        config["scheduler"] = {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": args.steps, "warmup_num_steps": args.warmup, "warmup_type": "linear",
+            "cos_min_ratio": 0.1}}
+    engine = zeal.initialize(model, config)
     train, held = blocks[:-HELD_OUT_BLOCKS], blocks[-HELD_OUT_BLOCKS:]
     g = torch.Generator().manual_seed(args.seed + 1)  # the same batches for every model
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for step in range(args.steps):
         batch = train[torch.randint(0, train.shape[0], (args.micro,), generator=g)]
-        engine.backward(engine(batch, batch))
+        loss = engine(batch, batch)
+        engine.backward(loss)
         engine.step()
+        if args.log_every and step % args.log_every == 0:
+            print(f"  {kind} step {step}: training loss {float(loss):.4f}", flush=True)
     train_s = time.perf_counter() - t0
     engine.module.eval()
     moes = [m for m in engine.module.modules() if isinstance(m, MoEMLP)]
@@ -112,25 +121,29 @@ def run(kind: str, args, blocks: torch.Tensor) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=1800)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--schedule", choices=("constant", "cosine"), default="cosine",
+                    help="constant lr, or linear warm-up and cosine decay to lr/10 (WarmupCosineLR)")
+    ap.add_argument("--warmup", type=int, default=100, help="warm-up steps of the cosine schedule")
     ap.add_argument("--aux", type=float, default=0.01)
-    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--capacity-factor", type=float, default=2.0)
     ap.add_argument("--dropless", action="store_true", help="train without capacity dropping and routing noise "
                     "(as evaluation and serving route)")
-    ap.add_argument("--moe-every", type=int, default=2, help="an MoE MLP every N blocks (2: every other)")
+    ap.add_argument("--moe-every", type=int, default=1, help="an MoE MLP every N blocks (2: every other)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=0, help="print the training loss every N steps (0: never)")
     ap.add_argument("--kinds", default="dense,moe-aux,moe-noaux")
     args = ap.parse_args()
     blocks = corpus_blocks(args.seq)
     tokens = args.steps * args.micro * args.seq
     print(f"{args.steps} steps x {args.micro} x {args.seq} = {tokens:,} training tokens; held-out "
           f"{HELD_OUT_BLOCKS * args.seq:,} tokens; d={args.dim}, {args.layers} blocks, MoE every {args.moe_every}, "
-          f"capacity factor {args.capacity_factor}, aux coef {args.aux}", flush=True)
+          f"capacity factor {args.capacity_factor}, aux coef {args.aux}, lr {args.lr} {args.schedule}", flush=True)
     print(f"{'model':<10} {'params':>10} {'active':>10} {'train s':>8} {'held-out':>9} {'vs dense':>9} "
           f"{'max/mean (mean, worst layer)':>30}", flush=True)
     dense = None
