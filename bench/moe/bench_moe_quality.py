@@ -7,10 +7,10 @@ top-2 (so a token meets 2 · 2·d = 4·d MLP units, the dense width: the same ac
 per token plus the router), trained with the auxiliary load-balancing loss (coefficient
 ``--aux``) and without it. Same initial seed, the same batches of the standard-library
 corpus (zeal.data.corpus, bytes as tokens), AdamW with linear warm-up and cosine decay to a
-tenth (``--schedule constant`` for a flat lr); then the held-out LM loss (aux loss excluded, eval routing: every
-token to its top-2 experts) on the corpus tail, and the expert load on that held-out pass:
-max/mean tokens per expert (1.0 = balanced, 8.0 = one expert takes everything; mean over
-MoE layers and the worst layer).
+tenth (``--schedule constant`` for a flat lr); then the held-out LM loss (aux loss
+excluded, eval routing: every token to its top-2 experts) on the corpus tail, and the
+expert load on that held-out pass: max/mean tokens per expert (1.0 = balanced, 8.0 = one
+expert takes everything; mean over MoE layers and the worst layer).
 
     flock /tmp/zeal-heavy.lock python bench/moe/bench_moe_quality.py          # 1800 steps, ~25 min
     python bench/moe/bench_moe_quality.py --kinds moe-aux --log-every 100      # one model, its curve
@@ -100,7 +100,7 @@ def run(kind: str, args, blocks: torch.Tensor) -> dict:
         engine.backward(loss)
         engine.step()
         if args.log_every and step % args.log_every == 0:
-            print(f"  {kind} step {step}: training loss {float(loss):.4f}", flush=True)
+            print(f"  {kind} step {step}: training loss {float(loss):.4f} (aux term included)", flush=True)
     train_s = time.perf_counter() - t0
     engine.module.eval()
     moes = [m for m in engine.module.modules() if isinstance(m, MoEMLP)]
