@@ -12,7 +12,7 @@ excluded, eval routing: every token to its top-2 experts) on the corpus tail, an
 expert load on that held-out pass: max/mean tokens per expert (1.0 = balanced, 8.0 = one
 expert takes everything; mean over MoE layers and the worst layer).
 
-    flock /tmp/zeal-heavy.lock python bench/moe/bench_moe_quality.py          # 1800 steps, ~25 min
+    flock /tmp/zeal-heavy.lock python bench/moe/bench_moe_quality.py          # 1800 steps per model
     python bench/moe/bench_moe_quality.py --kinds moe-aux --log-every 100      # one model, its curve
 """
 
@@ -143,7 +143,8 @@ def main() -> None:
     tokens = args.steps * args.micro * args.seq
     print(f"{args.steps} steps x {args.micro} x {args.seq} = {tokens:,} training tokens; held-out "
           f"{HELD_OUT_BLOCKS * args.seq:,} tokens; d={args.dim}, {args.layers} blocks, MoE every {args.moe_every}, "
-          f"capacity factor {args.capacity_factor}, aux coef {args.aux}, lr {args.lr} {args.schedule}", flush=True)
+          f"capacity factor {args.capacity_factor}, aux coef {args.aux}, lr {args.lr} {args.schedule}"
+          f"{f' (warm-up {args.warmup})' if args.schedule == 'cosine' else ''}", flush=True)
     print(f"{'model':<10} {'params':>10} {'active':>10} {'train s':>8} {'held-out':>9} {'vs dense':>9} "
           f"{'max/mean (mean, worst layer)':>30}", flush=True)
     dense = None
