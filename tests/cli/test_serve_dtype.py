@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zeal.cli.serve import cpu_has_native_bf16, resolve_dtype
+from zeal.cli.serve import resolve_dtype
+from zeal.utils.hardware import cpu_has_native_bf16
 
 ZEN4 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n"
 SKYLAKE = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n"
@@ -20,9 +21,9 @@ def test_native_bf16_from_cpu_flags(info, native):
 def test_explicit_dtypes_pass_through_and_auto_resolves(monkeypatch):
     assert resolve_dtype("bf16", "cpu") == "bfloat16"
     assert resolve_dtype("fp32", "cpu") == "float32"
-    monkeypatch.setattr("zeal.cli.serve.cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr("zeal.config.inference.cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", "cpu") == "bfloat16"
-    monkeypatch.setattr("zeal.cli.serve.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("zeal.config.inference.cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", "cpu") == "float32"
     with pytest.raises(KeyError):
         resolve_dtype("int8", "cpu")

@@ -12,7 +12,7 @@ from zeal.inference.llm import torch_dtype
 def test_names_resolve_like_serve_flags(monkeypatch):
     assert torch_dtype("bfloat16") is torch.bfloat16 and torch_dtype("BF16") is torch.bfloat16
     assert torch_dtype("float32") is torch.float32 and torch_dtype(torch.float16) is torch.float16
-    monkeypatch.setattr("zeal.cli.serve.cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr("zeal.config.inference.cpu_has_native_bf16", lambda: False)
     assert torch_dtype("auto", "cpu") is torch.float32
     with pytest.raises(ValueError, match="dtype 'int3' is not one of"):
         torch_dtype("int3")

@@ -120,11 +120,10 @@ def test_one_cache_folder(monkeypatch, tmp_path):
 
 
 def test_one_bf16_detector(monkeypatch):
-    from zeal.cli import serve
-    from zeal.config import job
+    from zeal.config import inference, job
     from zeal.config.job import JobSpec, resolve_precision
 
-    assert serve.cpu_has_native_bf16 is cpu_has_native_bf16
+    assert inference.cpu_has_native_bf16 is cpu_has_native_bf16  # serve's "auto" dtype
     assert cpu_has_native_bf16("flags\t: avx2 avx512_bf16\n") and not cpu_has_native_bf16("flags\t: avx2\n")
     for native in (True, False):
         monkeypatch.setattr("zeal.utils.hardware.native_bf16", lambda device=None, v=native: v)

@@ -1,4 +1,4 @@
-"""``zeal checkpoint export | inspect``: the implementations ``zeal/cli/checkpoint.py`` finds."""
+"""``zeal checkpoint export | inspect``: the implementations the command line's ``checkpoint`` command finds."""
 
 from __future__ import annotations
 

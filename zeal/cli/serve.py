@@ -16,8 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zeal.config.inference import DTYPE_NAMES, InferenceConfig
-from zeal.utils.hardware import cpu_has_native_bf16
+from zeal.config.inference import DTYPE_NAMES, InferenceConfig, resolve_dtype
 
 DTYPES = DTYPE_NAMES  # the accepted --dtype spellings
 
@@ -30,19 +29,6 @@ _FLAG_NAMES: dict[str, tuple[str, int]] = {
     "server.engine_process": ("--no-engine-process", 1),
 }
 _UNITS = {1 << 20: "MB"}
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    """``auto``: bfloat16 where the hardware computes it natively (a CUDA GPU with bf16, a
-    CPU with bf16 dot products), float32 elsewhere; any other name as given."""
-    name = DTYPES[name]
-    if name != "auto":
-        return name
-    import torch
-
-    if device.startswith("cuda"):
-        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if device == "cpu" and cpu_has_native_bf16() else "float32"
 
 
 def _leaves(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, Any]]:
@@ -130,18 +116,11 @@ def _exit_on_rank_death(message: str) -> None:
 
 
 def load_engine(cfg: InferenceConfig):
-    """The :class:`LLMEngine` of one process (no tensor parallelism) as ``cfg`` describes it."""
-    import torch
+    """The :class:`LLMEngine` of one process (no tensor parallelism) as ``cfg`` describes it
+    (:func:`zeal.inference.build.build_engine`)."""
+    from zeal.inference.build import build_engine
 
-    from zeal.inference.engine import LLMEngine
-    from zeal.inference.llm import WeightsOffload, load_model_and_tokenizer, resolve_model_path
-
-    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
-    offload = WeightsOffload(cfg.weights_offload, cfg.max_resident_weights_gb, cfg.offload_dir,
-                             cfg.weights_offload_quant)
-    model, tok, eos = load_model_and_tokenizer(resolve_model_path(cfg.model), dtype, cfg.device, offload,
-                                               cfg.quantized_matmul)
-    return LLMEngine(model, tok, cfg.engine, eos)
+    return build_engine(cfg)
 
 
 def build(cfg: InferenceConfig | argparse.Namespace):

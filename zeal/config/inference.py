@@ -11,11 +11,26 @@ from pydantic import Field, field_validator, model_validator
 
 from zeal.config.process import ProcessConfig
 from zeal.config.schema import Section
+from zeal.utils.hardware import cpu_has_native_bf16
 
-# accepted spellings of the model's dtype -> torch dtype name ("auto" is resolved by the command)
+# accepted spellings of the model's dtype -> torch dtype name ("auto": resolve_dtype below)
 DTYPE_NAMES: dict[str, str] = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                                "float16": "float16", "fp16": "float16", "auto": "auto"}
 DType = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """A dtype name of :data:`DTYPE_NAMES` → the torch dtype's name. ``auto``: bfloat16 where
+    the hardware computes it natively (a CUDA GPU with bf16, a CPU with bf16 dot products),
+    float16 on other GPUs, float32 elsewhere; any other name as given."""
+    name = DTYPE_NAMES[name]
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if device == "cpu" and cpu_has_native_bf16() else "float32"
 
 
 class SpeculativeConfig(Section):

@@ -221,14 +221,14 @@ class EngineProcess(StreamFront):
 
 def child_main(conn: Connection, cfg_json: str) -> None:
     """The engine process: load the model from the config, say ready, run the loop."""
-    from zeal.cli.serve import load_engine
     from zeal.config.inference import InferenceConfig
+    from zeal.inference.build import build_engine
     from zeal.utils.process import apply_process_settings
 
     cfg = InferenceConfig.model_validate_json(cfg_json)
     apply_process_settings(cfg.process)
     try:
-        engine = load_engine(cfg)
+        engine = build_engine(cfg)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which exits with it
         _send(conn, {"op": "fatal", "msg": str(e) or type(e).__name__})
         return

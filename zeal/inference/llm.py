@@ -64,10 +64,10 @@ def torch_dtype(dtype: torch.dtype | str, device: str = "cpu") -> torch.dtype:
     ``"auto"``: bf16 where the hardware computes it natively); ``ValueError`` for any other."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    from zeal.cli.serve import DTYPES, resolve_dtype
+    from zeal.config.inference import DTYPE_NAMES, resolve_dtype
 
-    if not isinstance(dtype, str) or dtype.lower() not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or a torch.dtype")
+    if not isinstance(dtype, str) or dtype.lower() not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_NAMES)} or a torch.dtype")
     return getattr(torch, resolve_dtype(dtype.lower(), device))
 
 
