@@ -17,21 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from zeal.config.compression import parse_pattern  # the config validates patterns with it
+
 __all__ = ["parse_pattern", "nm_mask", "nm_project", "group_density", "check_groupable"]
-
-
-def parse_pattern(pattern: str | tuple[int, int]) -> tuple[int, int]:
-    """``"2:4"`` (or ``(2, 4)``) → ``(n, m)`` with ``1 <= n <= m``; ValueError otherwise."""
-    if isinstance(pattern, tuple):
-        n, m = pattern
-    else:
-        parts = str(pattern).split(":")
-        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"sparsity pattern must read N:M (for example 2:4), got {pattern!r}")
-        n, m = (int(p) for p in parts)
-    if not 1 <= n <= m:
-        raise ValueError(f"sparsity pattern {n}:{m}: need 1 <= N <= M")
-    return n, m
 
 
 def check_groupable(shape: tuple[int, ...], m: int, dim: int = -1, name: str = "weight") -> None:

@@ -21,6 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DEFAULT_EXCLUDE = ["lm_head", "*.lm_head"]
 
 
+def parse_pattern(pattern: str | tuple[int, int]) -> tuple[int, int]:
+    """``"2:4"`` (or ``(2, 4)``) → ``(n, m)`` with ``1 <= n <= m``; ValueError otherwise."""
+    if isinstance(pattern, tuple):
+        n, m = pattern
+    else:
+        parts = str(pattern).split(":")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"sparsity pattern must read N:M (for example 2:4), got {pattern!r}")
+        n, m = (int(p) for p in parts)
+    if not 1 <= n <= m:
+        raise ValueError(f"sparsity pattern {n}:{m}: need 1 <= N <= M")
+    return n, m
+
+
 class Section(BaseModel):  # as schema.Section (which imports this module)
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -55,8 +69,6 @@ class SparsityConfig(Section):
     @field_validator("pattern")
     @classmethod
     def _pattern(cls, v: str) -> str:
-        from zeal.compression.nm import parse_pattern
-
         parse_pattern(v)
         return v
 

@@ -217,8 +217,8 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
 
 def _start(spec: JobSpec) -> _Run:
     """Data, model, engine and (on resume) the saved position; rank 0 writes the spec."""
-    import zeal
     from zeal.config import load_config
+    from zeal.train.build import initialize
 
     j = spec.job
     ckpt_dir = Path(j.run_dir) / "checkpoints"
@@ -227,7 +227,7 @@ def _start(spec: JobSpec) -> _Run:
     torch.manual_seed(spec.data.seed)
     tokenizer, blocks = prepare_data(spec)
     rss_before_model = peak_rss_bytes()
-    engine = zeal.initialize(build_model(spec, tokenizer.get_vocab_size()), spec.engine)
+    engine = initialize(build_model(spec, tokenizer.get_vocab_size()), spec.engine)
     cfg = load_config(spec.engine)
     _, micro, accum = cfg.resolve_batch(engine.mesh.dp_size)
     run = _Run(spec, engine, cfg, tokenizer, blocks, micro, accum,
