@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.dist_harness import RankPool
-from tests.train.any_models import AnyNet, batches, branch_on, eval_loss, reference_losses
+from tests.zero.any_models import AnyNet, batches, branch_on, eval_loss, reference_losses
 
 STEPS, MICRO, LR, WORLD, RTOL = 4, 2, 1e-2, 2, 1e-5
 

@@ -19,8 +19,8 @@ from tests.dist_harness import RankPool
 pytest.importorskip("transformers")
 
 # the same HF model, data and hyper-parameters as the stage-3 HF test
-from tests.train.test_stage3_hf import LR, MICRO, STEPS, WORLD, _data, plain_losses  # noqa: E402
-from tests.train.test_stage3_hf import _model as _hf  # noqa: E402
+from tests.zero.test_stage3_hf import LR, MICRO, STEPS, WORLD, _data, plain_losses  # noqa: E402
+from tests.zero.test_stage3_hf import _model as _hf  # noqa: E402
 
 
 def _zeal(tied: bool):
