@@ -1,8 +1,16 @@
 """Run a function on N real gloo ranks (CPU) and collect what each returns.
 
-Every rank is a spawned process with torchrun's variables set; a rank that raises
+Every rank is a fresh process with torchrun's variables set; a rank that raises
 fails the whole run at once (the others are killed), and the run has a deadline,
-so a hang fails fast instead of eating CI."""
+so a hang fails fast instead of eating CI.
+
+Ranks are forked from a forkserver that has torch, torch._dynamo (imported lazily by the
+first optimizer step) and zeal's training and serving stacks imported once per test
+session, so a rank starts in milliseconds instead of the seconds an interpreter start
+and ``import torch`` cost, yet begins from the state those imports leave: nothing a
+previous run did is visible. The parent's current environment and working directory are
+the rank's. ``ZEAL_TEST_SPAWN=1`` starts every rank as a new interpreter instead.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,20 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+# Imported once in the forkserver, before any rank is forked from it (each saves seconds
+# per rank; a module that fails to import is skipped).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "zeal.train.build", "zeal.checkpoint",
+           "zeal.inference", "tests.dist_harness"]
+
+
+def _context():
+    """The multiprocessing context ranks start from (see the module's docstring)."""
+    if os.environ.get("ZEAL_TEST_SPAWN") == "1" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs (one server per process)
+    return ctx
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,7 +43,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable, rank: int, world: int, local_world: int, port: int, args: tuple, q) -> None:
+def _environment(env: dict[str, str]) -> None:
+    """The parent's environment as it was at the call (a forked rank has the server's)."""
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _child(fn: Callable, rank: int, world: int, local_world: int, port: int, args: tuple, q,
+           env: dict[str, str]) -> None:
+    _environment(env)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank % local_world), "LOCAL_WORLD_SIZE": str(local_world), "OMP_NUM_THREADS": "1",
@@ -56,10 +86,11 @@ def _plain(obj: Any) -> Any:
 
 def run_ranks(fn: Callable, world: int, *args: Any, timeout: float = 180.0, local_world: int | None = None) -> list:
     """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, local_world or world, port, args, q), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_child, args=(fn, r, world, local_world or world, port, args, q, env), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -96,7 +127,8 @@ def _collect(q, procs: list, timeout: float) -> list:
     return [results[r] for r in range(world)]
 
 
-def _pool_child(rank: int, world: int, port: int, inbox, outbox) -> None:
+def _pool_child(rank: int, world: int, port: int, inbox, outbox, env: dict[str, str]) -> None:
+    _environment(env)
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
@@ -131,12 +163,13 @@ class RankPool:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self._inboxes = [ctx.Queue() for _ in range(self.world)]
         self._outbox = ctx.Queue()
-        self._procs = [ctx.Process(target=_pool_child, args=(r, self.world, port, self._inboxes[r], self._outbox),
-                                   daemon=True) for r in range(self.world)]
+        env = dict(os.environ)
+        self._procs = [ctx.Process(target=_pool_child, args=(r, self.world, port, self._inboxes[r], self._outbox,
+                                                              env), daemon=True) for r in range(self.world)]
         for p in self._procs:
             p.start()
 

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import datetime
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from tests.dist_harness import run_ranks
 from zeal.dist.quant import (
     dequantize,
     error_bound,
@@ -150,9 +149,8 @@ def qgz_bound(grads: list[torch.Tensor], bits: int, bs: int) -> torch.Tensor:
     return (total + 1e-5 * slack) / WORLD
 
 
-def _worker(rank: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
+def _worker(rank: int, world: int) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))  # torchrun's variables
     try:
         intra = inter = None
         for n in range(NODES):
@@ -215,23 +213,6 @@ def _worker(rank: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, nprocs: int, args: tuple, timeout_s: float) -> None:
-    """Spawn ``nprocs`` ranks of ``fn(rank, *args)``; a raising rank fails at once, a hang
-    fails after ``timeout_s`` with every child killed."""
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"ranks did not finish within {timeout_s} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-
-
 @pytest.mark.timeout(240)
-def test_quantized_collectives_on_4_ranks(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # 4 ranks on a small machine
-    run_ranks(_worker, WORLD, (str(tmp_path / "init"),), timeout_s=200)
+def test_quantized_collectives_on_4_ranks():
+    run_ranks(_worker, WORLD, timeout=200, local_world=LOCAL)
