@@ -26,10 +26,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.checkpoint.hostile import engine, resign, same, save_two, snapshot, watch_opens
+from tests.tiers import budget
 from zeal.checkpoint import files as cio
 from zeal.checkpoint.files import CheckpointError
 
-EXAMPLES = int(os.environ.get("ZEAL_FUZZ_EXAMPLES", "400"))
+EXAMPLES = int(os.environ.get("ZEAL_FUZZ_EXAMPLES", "400"))  # the long tier's budget
 TAGS = ["new", "old"]
 FILES = ["manifest.json", "meta.json", "rank00000.safetensors"]
 HOSTILE = [None, -1, 0, 10**30, 1.5, "x", "", "../../outside/x", "/etc/hostname", [], {}, True, float("nan"),
@@ -180,12 +181,13 @@ def committed(tmp_path_factory):
 
 
 @pytest.mark.timeout(600)
-def test_mutated_checkpoints_load_exactly_or_fail_naming_a_file(committed, tmp_path_factory, monkeypatch):
+@budget(ci=40, long=EXAMPLES)
+def test_mutated_checkpoints_load_exactly_or_fail_naming_a_file(committed, tmp_path_factory, monkeypatch, max_examples):
     pristine, states = committed
     base_dir = tmp_path_factory.mktemp("examples")
     stats, kinds = collections.Counter(), collections.Counter()
 
-    @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=max_examples, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(st.lists(MUTATION, min_size=1, max_size=3), st.booleans(), st.booleans())
     def run(mutations, resigned, fallback):
@@ -231,5 +233,5 @@ def test_mutated_checkpoints_load_exactly_or_fail_naming_a_file(committed, tmp_p
 
     run()
     print(f"\nmutated checkpoints: {dict(stats)}; mutations: {dict(kinds)}")
-    assert stats["handled"] == stats["tried"] >= min(EXAMPLES, 300)
+    assert stats["handled"] == stats["tried"] >= 3 * max_examples // 4
     assert stats["refused"] and stats["loaded_exact"]

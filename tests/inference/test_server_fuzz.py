@@ -12,6 +12,7 @@ from collections import Counter
 import httpx
 import pytest
 
+from tests.tiers import budget
 from zeal.inference.async_engine import AsyncEngine
 from zeal.inference.engine import EngineConfig, LLMEngine
 from zeal.inference.llm import load_model_and_tokenizer
@@ -25,7 +26,6 @@ from schemathesis import GenerationMode  # noqa: E402
 KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 ERROR_KEYS = {"message", "type", "param", "code"}
-MAX_EXAMPLES = 200
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,8 @@ def _within_limits(schema: dict) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_schema_fuzz_gets_no_5xx_and_json_errors(fuzz_server):
+@budget(ci=30, long=200)
+def test_schema_fuzz_gets_no_5xx_and_json_errors(fuzz_server, max_examples):
     app, base, aengine = fuzz_server
     served = schemathesis.openapi.from_dict(app.openapi())
     narrow = schemathesis.openapi.from_dict(_within_limits(app.openapi()))
@@ -83,7 +84,7 @@ def test_schema_fuzz_gets_no_5xx_and_json_errors(fuzz_server):
     seen: Counter = Counter()
     reasons: Counter = Counter()
 
-    @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=max_examples, derandomize=True, deadline=None, database=None,
               phases=[Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=st.one_of(strategies))
     def check(case) -> None:

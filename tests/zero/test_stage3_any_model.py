@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.dist_harness import RankPool
+from tests.tiers import budget
 from tests.zero.any_models import AnyNet, batches, branch_on, eval_loss, reference_losses
 
 STEPS, MICRO, LR, WORLD, RTOL = 4, 2, 1e-2, 2, 1e-5
@@ -89,14 +90,18 @@ specs = st.fixed_dictionaries({
 
 
 @pytest.mark.timeout(240)
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(spec=specs)
-def test_every_stage_matches_single_process_on_drawn_models(pool, spec):
-    want = reference_losses(spec, STEPS, WORLD, MICRO, LR)
-    per_rank = pool.run(train_stages, spec, [0, 1, 2, 3], timeout=90)
-    for stage in (0, 1, 2, 3):
-        assert_matches(global_losses(per_rank, stage, spec), want, f"stage {stage}, {spec}")
+@budget(ci=8, long=40)
+def test_every_stage_matches_single_process_on_drawn_models(pool, max_examples):
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(spec=specs)
+    def check(spec):
+        want = reference_losses(spec, STEPS, WORLD, MICRO, LR)
+        per_rank = pool.run(train_stages, spec, [0, 1, 2, 3], timeout=90)
+        for stage in (0, 1, 2, 3):
+            assert_matches(global_losses(per_rank, stage, spec), want, f"stage {stage}, {spec}")
+
+    check()
 
 
 BASE = {"blocks": 3, "repeat": False, "shared": False, "frozen": -1, "branch": False, "eval": False}

@@ -1,0 +1,20 @@
+"""The suite's two tiers (README, "Tests").
+
+- default (``python -m pytest``, what CI runs): every test, property and fuzz tests with a
+  small example budget (their ``[ci]`` cases), hypothesis profile ``ci``;
+- long (``python -m pytest -m 'fuzz or slow' --hypothesis-profile long``): the same
+  property and fuzz tests with their full budgets (their ``[long]`` cases, marked ``fuzz``),
+  the tests marked ``slow``, and profile ``long`` for the property tests that name no budget.
+
+A property test that is costly per example takes its budget from :func:`tests.tiers.budget`,
+so both tiers run the same test body over the same strategies; only the count differs.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.register_profile("long", deadline=None, print_blob=True, max_examples=1000)
+settings.load_profile("ci")  # --hypothesis-profile long loads the other after this file
+
