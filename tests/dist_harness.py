@@ -23,9 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 # Imported once in the forkserver, before any rank is forked from it (each saves seconds
-# per rank; a module that fails to import is skipped).
+# per rank; a module that fails to import is skipped). The two Hugging Face models are the
+# references of many rank tests (importing one costs about 4 s).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "numpy", "zeal.train.build", "zeal.checkpoint",
-           "zeal.inference", "tests.dist_harness"]
+           "zeal.inference", "tests.dist_harness", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2"]
 
 
 def _context():
