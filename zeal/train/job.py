@@ -250,6 +250,7 @@ def _start(spec: JobSpec) -> _Run:
         run.start_step = int(state.get("step", engine.global_steps))
         run.tokens_done = int(state.get("tokens", 0))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
+        run.sink.rewind(run.start_step)  # the steps after the checkpoint are redone: one row per step
         run.de.load_state_dict(state.get("data_efficiency") or {"tokens": run.tokens_done}, run.start_step)
         if token_sched is not None:
             token_sched.refresh()
