@@ -108,7 +108,8 @@ def open_shards(folder: Path, manifest: dict, meta: dict, transient: bool = Fals
         raise CheckpointCorruptError(f"{folder / META}: lists the files {meta['files']!r:.120}, expected "
                                      f"{expected!r:.120} as listed in {cf.MANIFEST}")
     shapes = {n: v["shape"] for n, v in meta["params"].items()}
-    return SavedShards(folder, expected, shapes, manifest["version"], transient=transient)
+    dtypes = {n: cf.DTYPE_BY_NAME[v["dtype"]] for n, v in meta["params"].items()}
+    return SavedShards(folder, expected, shapes, manifest["version"], transient=transient, dtypes=dtypes)
 
 
 def _check_model(meta: dict, whole: dict[str, ParamInfo], path: Path) -> None:
@@ -234,7 +235,7 @@ def _prepare(engine: Any, meta: dict, shards: SavedShards, folder: Path, with_op
     buffers = {}  # replicated: every rank reads them
     for n, b in engine.module.named_buffers():
         if n in meta["buffers"]:
-            buffers[n] = shards.whole(f"buffer/{n}", tuple(b.shape))
+            buffers[n] = shards.whole(f"buffer/{n}", tuple(b.shape), cf.DTYPE_BY_NAME[meta["buffers"][n]["dtype"]])
     if module_only:
         return _Prepared(buffers, None, None, {})
     groups = _param_groups(engine.optimizer, meta, folder) if with_optim else None
