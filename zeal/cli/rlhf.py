@@ -89,14 +89,27 @@ def _launch(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def import_reward(spec: str):
+    """The function ``--reward MODULE:FUNCTION`` names; a one-line ValueError when the
+    module cannot be imported or has no such callable."""
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"--reward {spec!r}: expected MODULE:FUNCTION")
+    try:
+        module = importlib.import_module(mod)
+    except Exception as e:  # noqa: BLE001 - an import error of the user's module: one line
+        raise ValueError(f"--reward {spec}: cannot import module {mod!r} ({type(e).__name__}: {e})") from None
+    f = getattr(module, fn, None)
+    if not callable(f):
+        raise ValueError(f"--reward {spec}: module {mod!r} has no function {fn!r}")
+    return f
+
+
 def _reward_fn(spec: str | None, rows: list[dict]):
     from zeal.rlhf.tasks import arithmetic_reward
 
     if spec:
-        mod, _, fn = spec.partition(":")
-        if not fn:
-            raise ValueError(f"--reward {spec!r}: expected MODULE:FUNCTION")
-        return getattr(importlib.import_module(mod), fn)
+        return import_reward(spec)
     answers = {r["prompt"]: r["answer"] for r in rows if "answer" in r and isinstance(r["prompt"], str)}
 
     def reward(prompts, completions, **kw):
@@ -192,7 +205,14 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         rc.generation_dtype = args.generation_dtype
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
-    rows = read_jsonl(args.data, KEYS[job]) if args.data else arithmetic_rows(64, rc.seed)
+    if args.reward and job in ("ppo", "grpo"):
+        import_reward(args.reward)  # a wrong name fails here, before any data or model is read
+    if args.reward_model and job == "ppo" and not (Path(args.reward_model) / "value_model.safetensors").is_file():
+        raise FileNotFoundError(f"--reward-model {args.reward_model}: no value_model.safetensors "
+                                "(a 'zeal rlhf rm' run folder)")
+    # every row's keys and types are checked here, before a model is loaded or --out touched
+    default_reward = job in ("ppo", "grpo") and not args.reward and not args.reward_model
+    rows = read_jsonl(args.data, KEYS[job], answer=default_reward) if args.data else arithmetic_rows(64, rc.seed)
     config = {**engine_cfg, "rlhf": rc.model_dump()}
     model = args.model
     if job == "sft":
