@@ -3,8 +3,8 @@ TP 2 × DP 2 (ZeRO stage 1) and saved after 3 steps is loaded, in the same 4 glo
 TP 2 × DP 2 again (the same layout), at DP 4 (no tensor parallelism, half the micro-batch
 per rank) and at PP 2 × DP 2 (1F1B, the accumulation as pipeline micro-batches); all
 continue with the losses of single-process training on the same global batches (plain
-PyTorch, :func:`reference`). The same model trained at TP 2 (2 ranks) resumes at TP 2 and
-at TP 1 × DP 2 (ZeRO stage 2). The TP 1 × DP 1 load is in ``test_tensor_parallel.py``.
+PyTorch, :func:`reference`). The same model trained at TP 2 (2 ranks, ZeRO stage 1) resumes
+at TP 2 (stages 1 and 3) and at TP 1 × DP 2 (stage 2). The TP 1 × DP 1 load is in ``test_tensor_parallel.py``.
 
 The other cells of the layout-resume matrix: PP 2 → PP 2 and PP 2 → one process in
 ``tests/pipe/test_pipeline_equivalence.py::test_pp2_checkpoint_loads_without_pipeline``;
@@ -112,7 +112,8 @@ def _resume_dp2(save_dir: str) -> list[tuple[int, int, float]]:
 def _tp2_ranks(rank: int, world: int, save_dir: str) -> dict:
     losses, _, engine = train(rank, "gpt", 1, save_dir)
     engine.close()
-    return {"tp2": losses, "same": _resume_same(save_dir), "dp2": _resume_dp2(save_dir)}
+    return {"tp2": losses, "same": _resume_same(save_dir), "stage3": _resume_same(save_dir, stage=3),
+            "dp2": _resume_dp2(save_dir)}
 
 
 def test_tp2_checkpoint_resumes_at_tp2_and_dp2(tmp_path):
@@ -121,7 +122,7 @@ def test_tp2_checkpoint_resumes_at_tp2_and_dp2(tmp_path):
     ref = reference("gpt", 1)
     for res in results:
         assert [(s, a) for s, a, _, _ in res["same"]] == [(s, a) for s in range(SAVE_AT, STEPS) for a in range(ACCUM)]
-        for key in ("tp2", "same"):
+        for key in ("tp2", "same", "stage3"):
             for s, a, d, loss in res[key]:
                 assert loss == pytest.approx(ref[s][a][d], abs=1e-5), (key, s, a, d)
     for s in range(SAVE_AT, STEPS):
