@@ -37,7 +37,7 @@ def test_wrongly_typed_row_is_one_line_naming_file_line_and_key(tmp_path, row, k
             "prompt": "q", "chosen": "a", "rejected": "b", "answer": 2}
     path.write_text(json.dumps(good) + "\n\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError) as e:
-        read_jsonl(path, keys, answer=answer)
+        read_jsonl(path, keys, **({"answer": True} if answer else {}))  # the old signature had no answer
     msg = str(e.value)
     assert msg.startswith(f"{path}:3: key {key!r}: ") and what in msg and "\n" not in msg, msg
 
@@ -63,6 +63,7 @@ def test_failed_start_keeps_earlier_results_and_fresh_start_moves_them(tmp_path,
     """Regression: a start failing on its data replaced metrics.csv/jsonl with empty files."""
     from tests.rlhf.conftest import build_tiny_folder
 
+    tiny = build_tiny_folder(tmp_path / "tiny")
     out = tmp_path / "out"
     out.mkdir()
     earlier = {"metrics.csv": "step,kind,loss\n1,train,2.5\n", "metrics.jsonl": '{"step": 1, "loss": 2.5}\n'}
@@ -70,16 +71,15 @@ def test_failed_start_keeps_earlier_results_and_fresh_start_moves_them(tmp_path,
         (out / name).write_text(text)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "q", "chosen": 5, "rejected": "b"}\n')
-    assert main(["rlhf", "dpo", "--data", str(bad), "--out", str(out)]) == 2
+    assert main(["rlhf", "dpo", "--model", str(tiny), "--data", str(bad), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"zeal rlhf: error: {bad}:1: key 'chosen': is int 5 (expected a string, a list of chat messages " \
                   "or a list of token ids)"
-    assert main(["rlhf", "grpo", "--reward", "no_such_mod:f", "--out", str(out)]) == 2
+    assert main(["rlhf", "grpo", "--model", str(tiny), "--reward", "no_such_mod:f", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--reward no_such_mod:f: cannot import module 'no_such_mod'" in err
     assert {n: (out / n).read_text() for n in earlier} == earlier
     # a fresh start (no checkpoint) into the folder: the earlier results are moved aside, said once
-    tiny = build_tiny_folder(tmp_path / "tiny")
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "rlhf": {"batch_size": 2}}))
     assert main(["rlhf", "sft", "--model", str(tiny), "--steps", "1", "--out", str(out), "--config", str(cfg)]) == 0
