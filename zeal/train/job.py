@@ -209,6 +209,8 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
         run.say(f"already at step {run.start_step} (job.steps {spec.job.steps}); nothing to do", flush=True)
         run.sink.close()
         return {"steps": run.start_step, "start_step": run.start_step, "nothing_to_do": True}
+    if spec.job.resume:
+        run.sink.rewind(run.start_step)  # the steps after the checkpoint are redone: one row per step and kind
     eval_before = run.held_out(run.start_step)
     run.say(f"held-out loss at step {run.start_step}: {eval_before:.4f}", flush=True)
     final_step, train_loss, train_time = _train(run)
@@ -250,7 +252,6 @@ def _start(spec: JobSpec) -> _Run:
         run.start_step = int(state.get("step", engine.global_steps))
         run.tokens_done = int(state.get("tokens", 0))
         run.elapsed_before = float(state.get("elapsed_s", 0.0))
-        run.sink.rewind(run.start_step)  # the steps after the checkpoint are redone: one row per step
         run.de.load_state_dict(state.get("data_efficiency") or {"tokens": run.tokens_done}, run.start_step)
         if token_sched is not None:
             token_sched.refresh()
