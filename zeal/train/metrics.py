@@ -151,7 +151,10 @@ class MetricsSink:
                 lines.append(line + "\n")
         _replace(path, "".join(lines))
         path = self._run / "metrics.csv"
-        rows = list(csv.reader(path.open(newline="", errors="replace"))) if path.exists() else []
+        rows = []
+        if path.exists():
+            with path.open(newline="", errors="replace") as f:
+                rows = list(csv.reader(f))
         out = [rows[0]] if rows else []
         if rows and "step" in rows[0]:
             at, kind_at = rows[0].index("step"), rows[0].index("kind") if "kind" in rows[0] else None
