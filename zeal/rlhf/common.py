@@ -131,7 +131,7 @@ class RunLog:
     moves them aside into ``earlier-<time>/`` (said in one line)."""
 
     EARLIER = ("metrics.csv", "metrics.jsonl", "reward_kl.png", "checkpoints", "model", "value_model.safetensors",
-               "reward_model.json")  # what a run writes into its folder
+               "reward_model.json", "actor_ema.safetensors")  # what a run writes into its folder
 
     def __init__(self, out: str | os.PathLike | None, rank: int, job: str, rc: RLHFConfig, comm=None) -> None:
         self.comm = comm if comm is not None and comm.active else None
