@@ -244,3 +244,20 @@ def test_dtype_names_come_from_a_fixed_table(ck, monkeypatch):
     with pytest.raises(CheckpointCorruptError, match="rank00000.safetensors: index of saved pieces malformed"):
         engine().load_checkpoint(str(ck), tag="old")
     assert called == []
+
+
+@pytest.mark.parametrize("kind", ["param", "optim.exp_avg_sq"])
+def test_tensor_stored_in_another_dtype_than_the_index_is_refused(ck, kind):
+    """Regression (issue 31): a master or an Adam moment rewritten as fp16 (the index says
+    fp32), manifest re-signed, loaded and was silently rounded."""
+    path = ck / "new" / "rank00000.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        md = f.metadata()
+    key = next(k for k in tensors if k.startswith(kind + "/"))
+    tensors[key] = tensors[key].half()
+    save_file(tensors, str(path), metadata=md)
+    resign(ck / "new")
+    with pytest.raises(CheckpointCorruptError, match=f"rank00000.safetensors: {key} is stored as float16, "
+                                                     "the index says float32"):
+        engine().load_checkpoint(str(ck), tag="new")

@@ -44,6 +44,37 @@ def test_sink_writes_jsonl_and_csv_and_appends_on_resume(tmp_path):
     assert not (tmp_path / "off").exists()
 
 
+def test_resumed_run_keeps_one_row_per_step(tmp_path):
+    """Regression (issue 31): a run killed at step 37 (its last line cut short) and resumed
+    from the checkpoint of step 20 kept the rows of the redone steps 21-37 (and the eval
+    at 20 twice); after the resume both files hold one row per step and kind."""
+    sink = MetricsSink(tmp_path)
+    for step in range(38):
+        if step % 20 == 0:
+            sink.log({"step": step, "kind": "eval", "loss": 9.0})
+        if step:
+            sink.log({"step": step, "kind": "train", "loss": 10.0 - step / 10})
+    sink.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 38, "kind": "tr')  # kill -9 mid-write
+    with (tmp_path / "metrics.csv").open("a") as f:
+        f.write("38,tra")
+    again = MetricsSink(tmp_path, append=True)
+    again.rewind(20)
+    again.log({"step": 20, "kind": "eval", "loss": 8.0})
+    for step in range(21, 41):
+        again.log({"step": step, "kind": "train", "loss": 1.0})
+    again.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    for got in (records, rows):
+        keys = [(int(r["step"]), r["kind"]) for r in got]
+        assert len(keys) == len(set(keys)) == 40 + 2
+        assert [int(r["step"]) for r in got if r["kind"] == "train"] == list(range(1, 41))
+        assert [float(r["loss"]) for r in got if r["kind"] == "train"][19:21] == [8.0, 1.0]
+        assert [float(r["loss"]) for r in got if r["kind"] == "eval"] == [9.0, 8.0]
+
+
 def test_loss_plot(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "metrics.jsonl"

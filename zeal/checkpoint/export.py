@@ -111,7 +111,7 @@ def _mixtral(cfg: dict, plan: list) -> tuple[list, dict]:
 def _producer(shards: SavedShards, meta: dict, kind: str, src: str, transpose: bool, dtype: torch.dtype):
     def produce() -> torch.Tensor:
         if kind == "buffer":
-            t = shards.whole(f"buffer/{src}")
+            t = shards.whole(f"buffer/{src}", dtype=cf.DTYPE_BY_NAME[meta["buffers"][src]["dtype"]])
         else:
             entry = meta["params"][src]
             t = shards.full("param", src, entry["shape"], cf.DTYPE_BY_NAME[entry["dtype"]])

@@ -28,7 +28,7 @@ from zeal.checkpoint.files import CheckpointCorruptError, CheckpointError, Check
 from zeal.checkpoint.reader import SavedShards
 from zeal.checkpoint.save import META, rank_file
 from zeal.dist.agree import first_error
-from zeal.zero.sharded_state import ParamInfo, ParamShard, ShardedStateError, state_comm
+from zeal.zero.sharded_state import ParamInfo, ParamShard, ShardedStateError, param_infos, state_comm
 from zeal.zero.slices import Box, box_shape
 
 log = logging.getLogger("zeal")
@@ -108,12 +108,14 @@ def open_shards(folder: Path, manifest: dict, meta: dict, transient: bool = Fals
         raise CheckpointCorruptError(f"{folder / META}: lists the files {meta['files']!r:.120}, expected "
                                      f"{expected!r:.120} as listed in {cf.MANIFEST}")
     shapes = {n: v["shape"] for n, v in meta["params"].items()}
-    return SavedShards(folder, expected, shapes, manifest["version"], transient=transient)
+    dtypes = {n: cf.DTYPE_BY_NAME[v["dtype"]] for n, v in meta["params"].items()}
+    return SavedShards(folder, expected, shapes, manifest["version"], transient=transient, dtypes=dtypes)
 
 
-def _check_model(meta: dict, module: torch.nn.Module, path: Path, whole: dict | None = None) -> None:
-    want = {n: list(q.shape) for n, q in module.named_parameters()} if whole is None else \
-        {n: list(i.shape) for n, i in whole.items()}  # pipeline stages: the whole model's
+def _check_model(meta: dict, whole: dict[str, ParamInfo], path: Path) -> None:
+    """The saved parameters are the model's, each of the same *global* shape (a tensor-,
+    pipeline- or expert-parallel engine compares the whole model's, never its shards)."""
+    want = {n: list(i.shape) for n, i in whole.items()}
     have = {n: v["shape"] for n, v in meta["params"].items()}
     if want != have:
         miss = sorted(set(want) - set(have))
@@ -154,7 +156,7 @@ def _open(engine: Any, root: Path, tag: str | None) -> tuple[str, dict, SavedSha
         try:
             manifest = _verify(root / t, rank, world)
             meta = read_meta(root / t)
-            _check_model(meta, engine.module, root / t / META, getattr(engine, "global_params", None))
+            _check_model(meta, param_infos(engine), root / t / META)
             shards = open_shards(root / t, manifest, meta)
         except CheckpointError as e:
             err = e
@@ -233,7 +235,7 @@ def _prepare(engine: Any, meta: dict, shards: SavedShards, folder: Path, with_op
     buffers = {}  # replicated: every rank reads them
     for n, b in engine.module.named_buffers():
         if n in meta["buffers"]:
-            buffers[n] = shards.whole(f"buffer/{n}", tuple(b.shape))
+            buffers[n] = shards.whole(f"buffer/{n}", tuple(b.shape), cf.DTYPE_BY_NAME[meta["buffers"][n]["dtype"]])
     if module_only:
         return _Prepared(buffers, None, None, {})
     groups = _param_groups(engine.optimizer, meta, folder) if with_optim else None

@@ -46,8 +46,9 @@ class SavedShards:
     resident memory near one tensor instead of the whole mapped checkpoint)."""
 
     def __init__(self, folder: Path, files: list[str], shapes: dict[str, list[int]], version: int,
-                 transient: bool = False) -> None:
+                 transient: bool = False, dtypes: dict[str, torch.dtype] | None = None) -> None:
         self.folder, self.files, self.transient = folder, files, transient
+        self.dtypes = dtypes or {}  # parameter name -> the dtype the index (meta.json) gives its master
         self.readers: list[Any] = []
         self.meta: list[dict] = []
         self.boxes: dict[str, list[SavedBox]] = {}  # parameter name -> its saved boxes
@@ -112,7 +113,12 @@ class SavedShards:
             inter = intersect(sb.box, box)
             if inter is None:
                 continue
-            out[index(inter, origin=box)].copy_(self._part(kind, sb, inter))
+            part = self._part(kind, sb, inter)
+            want = self.dtypes.get(name)
+            if want is not None and part.dtype != want:  # moments are stored like their master
+                raise CheckpointCorruptError(f"{self.path(sb.file)}: {kind}/{sb.key_suffix} is stored as "
+                                             f"{_dtype_name(part.dtype)}, the index says {_dtype_name(want)}")
+            out[index(inter, origin=box)].copy_(part)
             filled += box_numel(inter)
         if filled != box_numel(box):
             raise CheckpointCorruptError(f"{self.folder}: {kind}/{name}: the saved pieces cover {filled} of the "
@@ -142,8 +148,8 @@ class SavedShards:
             raise CheckpointCorruptError(f"{path}: {key} is smaller than its index says")
         return part
 
-    def whole(self, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """A tensor stored whole (buffers, client state); with ``shape``, checked to have it."""
+    def whole(self, key: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A tensor stored whole (buffers, client state); with ``shape`` / ``dtype``, checked to have them."""
         i = self.whole_keys.get(key) if isinstance(key, str) else None
         if i is None:
             raise CheckpointCorruptError(f"{self.folder}: {key!r:.80} not found in any shard")
@@ -153,6 +159,9 @@ class SavedShards:
             raise CheckpointCorruptError(f"{self.path(i)}: cannot read {key} ({type(e).__name__}: {e})") from None
         if shape is not None and tuple(t.shape) != shape:
             raise CheckpointCorruptError(f"{self.path(i)}: {key} has shape {tuple(t.shape)}, expected {shape}")
+        if dtype is not None and t.dtype != dtype:
+            raise CheckpointCorruptError(f"{self.path(i)}: {key} is stored as {_dtype_name(t.dtype)}, "
+                                         f"the index says {_dtype_name(dtype)}")
         return t
 
     def path(self, i: int) -> Path:
@@ -170,6 +179,10 @@ class SavedShards:
 
     def _reader(self, i: int) -> Any:
         return self.readers[i] or safe_open(str(self.folder / self.files[i]), framework="pt")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _scalars_ok(sc: Any) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -50,30 +51,59 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _check(args: argparse.Namespace) -> tuple[int | None, int]:
+    """The flags' own checks (no file read): ``(N, M)`` of the sparsity, N None when off."""
     from zeal.compression.nm import parse_pattern
 
     if args.sparsity is None and args.bits is None:
         raise ValueError("give --sparsity N:M, --bits 8|4, or both")
+    if args.sparsity is None and args.method != "magnitude":
+        raise ValueError(f"--method {args.method} prunes: it needs --sparsity N:M (--bits alone only quantizes)")
     for flag in ("steps", "seq_len", "calib_blocks", "eval_blocks"):
         if getattr(args, flag) < (0 if flag == "steps" else 2):
             raise ValueError(f"--{flag.replace('_', '-')} is out of range: {getattr(args, flag)}")
-    if args.group_size is not None and args.group_size < 1:
-        raise ValueError(f"--group-size must be >= 1, got {args.group_size}")
+    if args.group_size is not None and (args.group_size < 1 or args.bits is None):
+        raise ValueError(f"--group-size {args.group_size}: " + ("must be >= 1" if args.group_size < 1 else
+                                                                 "applies to quantized weights: give --bits"))
+    if not math.isfinite(args.lr) or args.lr <= 0:
+        raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
+    if args.data is not None and not Path(args.data).is_file():
+        raise ValueError(f"--data {args.data!r} is not a file")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out!r} is a file, not a folder")
     if args.sparsity is None:
         return None, 4
     return parse_pattern(args.sparsity)
 
 
+def _check_dims(src: Path, group_size: int | None, n: int | None, m: int) -> None:
+    """The model's linear input sizes (from ``config.json``, before any weight is read)
+    fit the group size and M; a config without the Llama keys is left to the load."""
+    try:
+        cfg = json.loads((src / "config.json").read_text())
+        hidden, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+        heads = int(cfg["num_attention_heads"])
+        attn = heads * int(cfg.get("head_dim") or hidden // heads)
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return
+    checks = [(group_size, "--group-size", "weights per scale"), (m if n else None, "--sparsity", "M")]
+    for size, flag, what in checks:
+        bad = [d for d in sorted({hidden, inter, attn}) if size is not None and d % size]
+        if bad:
+            raise ValueError(f"{flag}: {what} {size} does not divide the linear input size {bad[0]} of {src} "
+                             f"(input sizes {sorted({hidden, inter, attn})})")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Load, compress, report perplexity, write the folder."""
+    """Check the flags, load, compress, report perplexity, write the folder."""
+    n, m = _check(args)  # before any import of torch or read of a file
     import torch
 
     from zeal.compression.calibration import blocks, split_three
     from zeal.compression.pipeline import CompressJob, compress_model
     from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
 
-    n, m = _check(args)
     src = resolve_model_path(args.model)
+    _check_dims(src, args.group_size, n, m)
     model, tok, _ = load_model_and_tokenizer(src, torch.float32)
     if tok is None:
         raise ValueError(f"--model {str(src)!r}: no tokenizer.json to read the calibration text with")

@@ -29,7 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     a.add_argument("--out", default="data_analysis", help="output folder (default ./data_analysis)")
     a.add_argument("--seq-len", type=int, default=128, help="tokens per block (data.seq_len)")
     a.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary (data.vocab_size)")
-    a.add_argument("--max-bytes", type=int, default=4_000_000, help="cap on the stdlib corpus (data.max_bytes)")
+    a.add_argument("--max-bytes", type=int, default=4_000_000,
+                   help="cap on the corpus: the stdlib corpus is cut to it, a larger file is refused "
+                        "(data.max_bytes; a job trains on all of a file)")
     a.add_argument("--heldout-fraction", type=float, default=0.05, help="held-out share (data.heldout_fraction)")
     a.add_argument("--seed", type=int, default=1234, help="split seed (data.seed)")
     a.add_argument("--bins", type=int, default=20, help="histogram bins (default 20)")
@@ -53,15 +55,35 @@ def training_blocks(corpus: str, seq_len: int, vocab_size: int, max_bytes: int, 
     return rows, tokenizer
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag checked before the corpus is read: the job's own limits (its ``data``
+    section), and a file corpus no larger than ``--max-bytes``."""
+    from pydantic import ValidationError
+
+    from zeal.config.job import DataSection
+
+    if args.corpus != "stdlib" and not Path(args.corpus).is_file():
+        raise ValueError(f"CORPUS {args.corpus!r} is neither 'stdlib' nor a file")
+    for flag in ("workers", "bins"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    try:
+        DataSection(max_bytes=args.max_bytes, vocab_size=args.vocab_size, seq_len=args.seq_len,
+                    heldout_fraction=args.heldout_fraction, seed=args.seed)
+    except ValidationError as e:
+        raise ValueError("; ".join(f"--{str(err['loc'][0]).replace('_', '-')}: {err['msg']} (got {err['input']!r})"
+                                   for err in e.errors())) from None
+    if args.corpus != "stdlib" and (size := Path(args.corpus).stat().st_size) > args.max_bytes:
+        raise ValueError(f"CORPUS {args.corpus!r} is {size} bytes, above --max-bytes {args.max_bytes}: "
+                         f"give --max-bytes {size} to analyze all of it (a job trains on the whole file)")
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from zeal.data.analyzer import MetricIndex, analyze, format_histogram, write_histogram_png
 
-    if args.corpus != "stdlib" and not Path(args.corpus).is_file():
-        raise ValueError(f"CORPUS {args.corpus!r} is neither 'stdlib' nor a file")
-    if args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    check_args(args)
     rows, tokenizer = training_blocks(args.corpus, args.seq_len, args.vocab_size, args.max_bytes,
                                       args.heldout_fraction, args.seed)
     index: MetricIndex = analyze(rows, args.metric, args.workers, vocab_size=tokenizer.get_vocab_size())

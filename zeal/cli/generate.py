@@ -56,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if not args.temperature >= 0 or args.temperature == float("inf") or args.top_k < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0 and --top-k >= 0, got {args.temperature} "
+                         f"and {args.top_k}")
     run_dir, ckpts, tag = locate(args.checkpoint, args.tag)
     spec = read_spec(run_dir / "config.json")
     zeal.apply_process_settings(spec.process)  # as the job ran

@@ -89,14 +89,27 @@ def _launch(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def import_reward(spec: str):
+    """The function ``--reward MODULE:FUNCTION`` names; a one-line ValueError when the
+    module cannot be imported or has no such callable."""
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"--reward {spec!r}: expected MODULE:FUNCTION")
+    try:
+        module = importlib.import_module(mod)
+    except Exception as e:  # noqa: BLE001 - an import error of the user's module: one line
+        raise ValueError(f"--reward {spec}: cannot import module {mod!r} ({type(e).__name__}: {e})") from None
+    f = getattr(module, fn, None)
+    if not callable(f):
+        raise ValueError(f"--reward {spec}: module {mod!r} has no function {fn!r}")
+    return f
+
+
 def _reward_fn(spec: str | None, rows: list[dict]):
     from zeal.rlhf.tasks import arithmetic_reward
 
     if spec:
-        mod, _, fn = spec.partition(":")
-        if not fn:
-            raise ValueError(f"--reward {spec!r}: expected MODULE:FUNCTION")
-        return getattr(importlib.import_module(mod), fn)
+        return import_reward(spec)
     answers = {r["prompt"]: r["answer"] for r in rows if "answer" in r and isinstance(r["prompt"], str)}
 
     def reward(prompts, completions, **kw):
@@ -164,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     out = Path(args.out or f"runs/rlhf-{args.job}")
     if args.nproc > 1 and not in_distributed_env():
+        check_inputs(args)  # one line here rather than from every rank
         return _launch(args, out)
     if not in_distributed_env():
         return _run_job(args, out)
@@ -176,10 +190,27 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(exit_status(e)) from None
 
 
+def check_inputs(args: argparse.Namespace) -> list[dict] | None:
+    """What a job reads besides the model, checked before a model is loaded or ``--out``
+    touched: ``--reward`` imports, ``--reward-model`` is a reward-model folder, and every
+    row of ``--data`` has the keys and types of the job (its rows; None without ``--data``)."""
+    from zeal.rlhf.data import read_jsonl
+
+    job = args.job
+    if args.reward and job in ("ppo", "grpo"):
+        import_reward(args.reward)
+    if args.reward_model and job == "ppo" and not (Path(args.reward_model) / "value_model.safetensors").is_file():
+        raise FileNotFoundError(f"--reward-model {args.reward_model}: no value_model.safetensors "
+                                "(a 'zeal rlhf rm' run folder)")
+    if not args.data:
+        return None
+    default_reward = job in ("ppo", "grpo") and not args.reward and not args.reward_model
+    return read_jsonl(args.data, KEYS[job], answer=default_reward)
+
+
 def _run_job(args: argparse.Namespace, out: Path) -> int:
     import zeal.rlhf as rl
     from zeal.rlhf.config import split_config
-    from zeal.rlhf.data import read_jsonl
     from zeal.rlhf.tasks import arithmetic_rows
 
     job = args.job
@@ -192,7 +223,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         rc.generation_dtype = args.generation_dtype
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
-    rows = read_jsonl(args.data, KEYS[job]) if args.data else arithmetic_rows(64, rc.seed)
+    rows = check_inputs(args) or arithmetic_rows(64, rc.seed)
     config = {**engine_cfg, "rlhf": rc.model_dump()}
     model = args.model
     if job == "sft":

@@ -42,6 +42,11 @@ class ModelSection(Section):
     def _heads_divide(self) -> ModelSection:
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd {self.n_embd} is not divisible by model.n_head {self.n_head}")
+        if self.ep_size > 1 and not self.num_experts:
+            raise ValueError(f"model.ep_size {self.ep_size} splits experts, and the model has none: "
+                             "set model.num_experts (a multiple of ep_size) or leave ep_size at 1")
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"model.ep_size {self.ep_size} does not divide model.num_experts {self.num_experts}")
         return self
 
 

@@ -139,7 +139,14 @@ class LayerFiles:
         index = json.loads((root / "index.json").read_text())
         if index.get("format") not in (_FORMAT, _FORMAT + 1):
             raise ValueError(f"{root}/index.json: unknown layer-file format {index.get('format')!r}")
-        return LayerFiles(root, getattr(torch, index["dtype"]), index["layers"], index.get("quant", "none"))
+        dtype = _DTYPES.get(index.get("dtype")) if isinstance(index.get("dtype"), str) else None
+        if dtype is None:  # a name from a file is looked up in a fixed table, never as an attribute of torch
+            raise ValueError(f"{root}/index.json: unknown dtype {index.get('dtype')!r:.40} "
+                             f"(expected one of {', '.join(_DTYPES)})")
+        return LayerFiles(root, dtype, index["layers"], index.get("quant", "none"))
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # what layers hold
 
 
 def _write_layer(root: Path, i: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -122,7 +122,16 @@ def dp_slice(engine) -> tuple[int, int]:
 class RunLog:
     """The run folder of a job (rank 0 writes): metrics, a reward/KL plot, checkpoints.
     With ``comm`` (the engine's data-parallel :class:`~zeal.dist.comm.Comm`) every logged
-    value is the mean over its ranks (every rank calls :meth:`log`, with the same keys)."""
+    value is the mean over its ranks (every rank calls :meth:`log`, with the same keys).
+
+    Nothing in the folder is replaced before the first step is logged: a job that fails
+    earlier (on its data, its model) leaves the earlier results as they were. Then a
+    resumed run keeps the metrics up to its checkpoint's step (the redone steps are
+    rewritten, one row per step), and a fresh start into a folder holding earlier results
+    moves them aside into ``earlier-<time>/`` (said in one line)."""
+
+    EARLIER = ("metrics.csv", "metrics.jsonl", "reward_kl.png", "checkpoints", "model", "value_model.safetensors",
+               "reward_model.json", "actor_ema.safetensors")  # what a run writes into its folder
 
     def __init__(self, out: str | os.PathLike | None, rank: int, job: str, rc: RLHFConfig, comm=None) -> None:
         self.comm = comm if comm is not None and comm.active else None
@@ -132,11 +141,35 @@ class RunLog:
         self.t0 = time.perf_counter()
         self.records: list[dict] = []
         self.sink = None
+        self.start_step: int | None = None  # the resumed step (None: a fresh start)
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
-            if self.enabled:
-                append = (self.out / "metrics.jsonl").exists() and self.has_checkpoint() and rc.resume
-                self.sink = MetricsSink(self.out, enabled=True, append=append, report_to=[], columns=METRIC_COLUMNS)
+
+    def _open_sink(self) -> None:
+        """At the first logged step (rank 0): continue the resumed run's metrics, or move an
+        earlier run's results aside, then open the metrics files."""
+        if not self.enabled or self.sink is not None:
+            return
+        append = self.start_step is not None and (self.out / "metrics.jsonl").exists()
+        if self.start_step is None:
+            self._move_earlier()
+        self.sink = MetricsSink(self.out, enabled=True, append=append, report_to=[], columns=METRIC_COLUMNS)
+        if append:
+            self.sink.rewind(self.start_step)
+
+    def _move_earlier(self) -> None:
+        found = [n for n in self.EARLIER if (self.out / n).exists() or (self.out / n).is_symlink()]
+        if not found:
+            return
+        base = dest = self.out / time.strftime("earlier-%Y%m%d-%H%M%S", time.gmtime())
+        k = 1
+        while dest.exists():
+            dest, k = base.with_name(f"{base.name}-{k}"), k + 1
+        dest.mkdir()
+        for n in found:
+            os.replace(self.out / n, dest / n)
+        print(f"zeal rlhf {self.job}: a fresh start (no checkpoint resumed): moved the earlier results in "
+              f"{self.out} ({', '.join(found)}) to {dest}", flush=True)
 
     @property
     def ckpt_dir(self) -> Path | None:
@@ -152,6 +185,8 @@ class RunLog:
             return 0
         client = engine.load_checkpoint(str(self.ckpt_dir / sub if sub else self.ckpt_dir)) or {}
         step = int(client.get("rlhf_step", 0))
+        if sub is None:
+            self.start_step = step
         log.info("%s: resumed from %s at step %d", self.job, self.ckpt_dir, step)
         return step
 
@@ -164,6 +199,7 @@ class RunLog:
         return {k: float(v) / self.comm.size for k, v in zip(keys, t.tolist())}
 
     def log(self, step: int, **values: float) -> dict:
+        self._open_sink()  # before the collective: no rank saves a checkpoint before the folder is ready
         values = self._dp_mean({k: float(v) for k, v in values.items() if v is not None})
         rec = {"step": step, "kind": "train", **values,
                "elapsed_s": time.perf_counter() - self.t0}

@@ -25,7 +25,8 @@ class RLHFConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seed: int = Field(0, description="Seed of prompt order, sampling and initialisation.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of prompt order, sampling and initialisation "
+                                                    "(0 <= seed < 2**32).")
     steps: int = Field(20, ge=1, description="Optimizer steps (PPO/GRPO: rollouts) to run.")
     batch_size: int = Field(4, ge=1, description="Prompts (or pairs, or conversations) per step per rank.")
     max_prompt_len: int = Field(128, ge=1, description="Prompts are cut to their last this-many tokens.")

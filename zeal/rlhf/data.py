@@ -5,6 +5,7 @@ chat template), and token-id lists are taken as they are (models without a token
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -15,24 +16,110 @@ from zeal.inference.tokenizer import Tokenizer
 from zeal.rlhf.common import encode_prompt
 from zeal.rlhf.config import RLHFConfig
 
+log = logging.getLogger("zeal.rlhf")
 
-def read_jsonl(path: str | Path, keys: tuple[str, ...]) -> list[dict]:
-    """The rows of a JSONL file; each must hold ``keys`` (one clear error naming the line)."""
+
+def read_jsonl(path: str | Path, keys: tuple[str, ...], answer: bool = False) -> list[dict]:
+    """The rows of a JSONL file; each must hold ``keys``, each of the type a job reads
+    (:func:`row_problem`; ``answer``: an ``answer`` key, when present, is checked too).
+    Every row is checked before any is used: a bad one is one clear error naming the file,
+    the line and the key. Degenerate preference pairs (an empty answer, or ``chosen`` the
+    same as ``rejected``) are warned about, once for the file."""
     rows = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    degenerate: list[int] = []
+    for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{path}:{i}: not JSON (nested too deeply)") from None
         missing = [k for k in keys if not isinstance(row, dict) or k not in row]
         if missing:
             raise ValueError(f"{path}:{i}: missing key(s) {', '.join(missing)} (this job reads {', '.join(keys)})")
+        bad = row_problem(row, keys + (("answer",) if answer and "answer" in row else ()))
+        if bad:
+            raise ValueError(f"{path}:{i}: {bad}")
+        if "chosen" in keys and "rejected" in keys and (
+                not row["chosen"] or not row["rejected"] or row["chosen"] == row["rejected"]):
+            degenerate.append(i)
         rows.append(row)
     if not rows:
         raise ValueError(f"{path}: no rows")
+    if degenerate:
+        shown = ", ".join(map(str, degenerate[:5])) + (", ..." if len(degenerate) > 5 else "")
+        log.warning("%s: %d of %d preference rows have an empty answer or chosen equal to rejected (line %s): "
+                    "they teach nothing (their DPO loss stays ln 2)", path, len(degenerate), len(rows), shown)
     return rows
+
+
+_WHAT = {"messages": "a non-empty list of {\"role\": string, \"content\": string} messages",
+         "prompt": "a non-empty string, a list of chat messages or a list of token ids",
+         "chosen": "a string, a list of chat messages or a list of token ids",
+         "completion": "a string or a list of token ids",
+         "answer": "an integer (or a string holding one)"}
+_WHAT["rejected"] = _WHAT["chosen"]
+
+
+def _messages_problem(x: Any) -> str | None:
+    if not isinstance(x, list) or not x:
+        return "not a non-empty list"
+    for j, m in enumerate(x):
+        if not isinstance(m, dict):
+            return f"message {j} is not an object"
+        for k in ("role", "content"):
+            if not isinstance(m.get(k), str):
+                return f"message {j}: {k!r} is {type(m.get(k)).__name__}, not a string"
+    return None
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(type(t) is int and 0 <= t < 2**31 for t in x)
+
+
+def row_problem(row: dict, keys: tuple[str, ...]) -> str | None:
+    """What is wrong with the types of ``row``'s ``keys`` (None when nothing is), as
+    ``"key 'k': ..."``: ``messages`` a list of role/content string pairs holding an
+    assistant turn; ``prompt`` a non-empty text, message list or token-id list;
+    ``chosen``/``rejected`` the same (possibly empty), not messages beside token ids;
+    ``completion`` text or ids; ``answer`` an integer or its decimal string."""
+    for k in keys:
+        v = row[k]
+        if k == "messages":
+            bad = _messages_problem(v)
+            if bad is None and not any(m["role"] == "assistant" for m in v):
+                bad = "no assistant turn to learn from"
+        elif k in ("prompt", "chosen", "rejected"):
+            if isinstance(v, str):
+                bad = "empty" if k == "prompt" and not v.strip() else None
+            elif isinstance(v, list) and v and isinstance(v[0], dict):
+                bad = _messages_problem(v)
+            elif _is_ids(v):
+                bad = "an empty list" if k == "prompt" and not v else None
+            else:
+                bad = f"is {type(v).__name__}" + (f" {v!r:.40}" if isinstance(v, (int, float)) else "")
+        elif k == "completion":
+            bad = None if isinstance(v, str) or _is_ids(v) else f"is {type(v).__name__}"
+        elif k == "answer":
+            ok = (type(v) is int or (isinstance(v, str) and v.strip().lstrip("+-").isdigit()))
+            bad = None if ok else f"is {type(v).__name__} {json.dumps(v)[:40]}"
+        else:
+            continue
+        if bad:
+            return f"key {k!r}: {bad} (expected {_WHAT[k]})"
+    kinds = {k: ("messages" if isinstance(row[k], list) and row[k] and isinstance(row[k][0], dict) else
+                 "ids" if isinstance(row[k], list) and row[k] else "other")
+             for k in ("prompt", "chosen", "rejected") if k in keys}
+    if "messages" in kinds.values() and "ids" in kinds.values():
+        k = next(k for k, v in kinds.items() if v == "ids")
+        return f"key {k!r}: token ids beside chat messages in the same row (give all as texts/messages or all as ids)"
+    return None
 
 
 def encode_answer(answer: Any, tok: Tokenizer | None, eos_ids: list[int]) -> list[int]:

@@ -209,6 +209,8 @@ def run_job(spec: JobSpec) -> dict[str, Any]:
         run.say(f"already at step {run.start_step} (job.steps {spec.job.steps}); nothing to do", flush=True)
         run.sink.close()
         return {"steps": run.start_step, "start_step": run.start_step, "nothing_to_do": True}
+    if spec.job.resume:
+        run.sink.rewind(run.start_step)  # the steps after the checkpoint are redone: one row per step and kind
     eval_before = run.held_out(run.start_step)
     run.say(f"held-out loss at step {run.start_step}: {eval_before:.4f}", flush=True)
     final_step, train_loss, train_time = _train(run)

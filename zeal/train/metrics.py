@@ -7,8 +7,10 @@ inert objects, so the loop calls them unconditionally.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -104,17 +106,65 @@ class MetricsSink:
             return
         run = Path(run_dir)
         run.mkdir(parents=True, exist_ok=True)
-        mode = "a" if append else "w"
-        csv_path = run / "metrics.csv"
-        new_csv = not (append and csv_path.exists())
-        self._jsonl = open(run / "metrics.jsonl", mode)  # noqa: SIM115 - closed in close()
-        self._csv_file = open(csv_path, mode, newline="")  # noqa: SIM115
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=columns, extrasaction="ignore")
-        if new_csv:
-            self._csv.writeheader()
+        self._run, self._columns = run, columns
+        self._open(append)
         from zeal.train.reporters import open_reporters
 
         self.reporters = open_reporters(run, report_to, run_config)
+
+    def _open(self, append: bool) -> None:
+        mode = "a" if append else "w"
+        csv_path = self._run / "metrics.csv"
+        new_csv = not (append and csv_path.exists() and csv_path.stat().st_size > 0)
+        self._jsonl = open(self._run / "metrics.jsonl", mode)  # noqa: SIM115 - closed in close()
+        self._csv_file = open(csv_path, mode, newline="")  # noqa: SIM115
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self._columns, extrasaction="ignore")
+        if new_csv:
+            self._csv.writeheader()
+
+    def rewind(self, step: int) -> None:
+        """A run resumed from the checkpoint of ``step`` redoes what came after it: drop
+        from ``metrics.jsonl`` and ``metrics.csv`` every record past ``step``, and the
+        records at ``step`` other than ``train`` ones (an evaluation there is redone), so
+        the files hold one row per step and kind. A line cut short by a killed run is
+        dropped too. Each file is rewritten whole, then renamed over the old one."""
+        if not self.enabled:
+            return
+        self._jsonl.close()
+        self._csv_file.close()
+
+        def keep(rec_step: Any, kind: Any) -> bool:
+            try:
+                n = int(rec_step)
+            except (TypeError, ValueError):
+                return False
+            return n < step or (n == step and kind == "train")
+
+        path = self._run / "metrics.jsonl"
+        lines = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and keep(rec.get("step"), rec.get("kind")):
+                lines.append(line + "\n")
+        _replace(path, "".join(lines))
+        path = self._run / "metrics.csv"
+        rows = []
+        if path.exists():
+            with path.open(newline="", errors="replace") as f:
+                rows = list(csv.reader(f))
+        out = [rows[0]] if rows else []
+        if rows and "step" in rows[0]:
+            at, kind_at = rows[0].index("step"), rows[0].index("kind") if "kind" in rows[0] else None
+            out += [r for r in rows[1:] if len(r) == len(rows[0])
+                    and keep(r[at], r[kind_at] if kind_at is not None else "train")]
+        text = io.StringIO()
+        csv.writer(text).writerows(out)
+        _replace(path, text.getvalue())
+        self.records = [r for r in self.records if keep(r.get("step"), r.get("kind"))]
+        self._open(append=True)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -135,6 +185,16 @@ class MetricsSink:
         self._csv_file.close()
         for reporter in self.reporters:
             reporter.close()
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

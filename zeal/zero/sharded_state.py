@@ -49,7 +49,7 @@ from zeal.zero.partition import padded_size, shard_range, slot_overlap
 from zeal.zero.slices import Box, box_numel, box_shape, flat_range_boxes, flat_start, full_box, index
 
 __all__ = ["Box", "ParamInfo", "ParamShard", "ShardedState", "ShardedStateError", "dp_comm",
-           "load_sharded_state", "sharded_state", "state_comm"]
+           "load_sharded_state", "param_infos", "sharded_state", "state_comm"]
 
 
 @dataclass(frozen=True)
@@ -270,6 +270,15 @@ def _optimizer_views(opt: Any, t: _Target) -> tuple[dict[str, torch.Tensor], dic
 
 
 # -- the API --------------------------------------------------------------------------------------
+def param_infos(engine: Any) -> dict[str, ParamInfo]:
+    """Every parameter of the whole model with its *global* shape, as a checkpoint
+    describes it: the engine's ``global_params`` (pipeline stages, expert parallelism),
+    else this rank's parameters with the global shape of each tensor-parallel split.
+    Communicates nothing; reads no offloaded state."""
+    whole = getattr(engine, "global_params", None)
+    return whole if whole is not None else _infos(_parts(engine))
+
+
 @contextlib.contextmanager
 def sharded_state(engine: Any, local: bool = False) -> Iterator[ShardedState]:
     """``with sharded_state(engine) as st:`` — this rank's owned boxes of every parameter,
