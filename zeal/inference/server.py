@@ -472,7 +472,8 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
         raise APIError(400, "this model has no tokenizer: chat is unavailable")
     msgs = [m.template_dict() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    if req.tool_choice not in (None, "none", "auto") and not tools:
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
+    if choice not in (None, "none", "auto") and not tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     try:
         prompt = tok.encode_chat(msgs, tools=tools)
@@ -482,12 +483,12 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    funcs = _tool_functions(tools, req.tool_choice, params)
+    funcs = _tool_functions(tools, choice, params)
     cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        only = funcs if forced(req.tool_choice) else None
+        only = funcs if forced(choice) else None
         return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, only))
     final = (await collect_or_error(agen, request))[0]
     choices = []
