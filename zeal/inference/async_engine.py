@@ -40,18 +40,20 @@ class StreamFront(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue]) -> None:
-        """Admit a request and register ``stream`` for it (raise to refuse it)."""
+                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], group: str | None = None) -> None:
+        """Admit a request and register ``stream`` for it (raise to refuse it); ``group``: the
+        client request it is part of (the engine shares its passes fairly between groups)."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op when it has finished)."""
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request; closing the iterator early aborts it."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; closing the iterator early aborts it. ``group``:
+        the client request it is part of (default: its own id)."""
         q: asyncio.Queue = asyncio.Queue()
-        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q))
+        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q), group)
         finished = False
         try:
             while True:
@@ -118,7 +120,8 @@ class AsyncEngine(StreamFront):
         return self.engine.num_waiting + self._pending_adds
 
     # ------------------------------------------------------------ API (event loop side)
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream) -> None:
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream,
+                group: str | None = None) -> None:
         with self._lock:
             if self.num_waiting >= self.max_waiting:
                 self.engine.metrics.rejected_total += 1
@@ -126,7 +129,7 @@ class AsyncEngine(StreamFront):
             self._pending_adds += 1
             self._streams[request_id] = stream
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
-        self._inbox.put(("add", request_id, prompt_ids, params))
+        self._inbox.put(("add", request_id, prompt_ids, params, group))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -134,7 +137,7 @@ class AsyncEngine(StreamFront):
     # ------------------------------------------------------------ engine thread
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt_ids, params = cmd
+            _, rid, prompt_ids, params, group = cmd
             # the move from pending to the engine's waiting queue happens under the lock, so
             # that generate() never sees the request in neither place and admits one too many
             error = None
@@ -143,7 +146,7 @@ class AsyncEngine(StreamFront):
                 if rid not in self._streams:
                     return  # aborted before it reached the engine
                 try:
-                    self.engine.add_request(rid, prompt_ids, params)
+                    self.engine.add_request(rid, prompt_ids, params, group=group)
                 except (ValueError, EngineAsleepError) as e:  # the request's own failure (400 / 503)
                     error = e
                 except Exception as e:  # noqa: BLE001 - a bug: fail this request, keep the thread

@@ -45,6 +45,7 @@ class _Request:
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
     error_type: str = "invalid_request_error"
+    group: str = ""
 
 
 class LLMEngine:
@@ -95,9 +96,12 @@ class LLMEngine:
         self._weights_discarded = False  # sleep(level=2) until load_weights
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    group: str | None = None) -> None:
         """Queue a request. Raises ``ValueError`` for one that could never run and
-        :class:`EngineAsleepError` while the engine sleeps."""
+        :class:`EngineAsleepError` while the engine sleeps. ``group``: the client request it
+        is part of (the prompts of one HTTP request share one; default: its own id); the
+        scheduler shares each pass fairly between groups."""
         self._check_awake()
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -118,7 +122,7 @@ class LLMEngine:
                 f"maximum sequence length {self.max_seq_tokens}"
             )
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
-        req = _Request(request_id, prompt_ids, params)
+        req = _Request(request_id, prompt_ids, params, group=group or request_id)
         seq = self._new_seq(req, 0)
         seq.matcher = matcher
         seq.pending_fork = params.n > 1
@@ -129,7 +133,7 @@ class LLMEngine:
         p = req.params
         gen = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
         seq = Sequence(next(self._seq_ids), req.request_id, req.prompt_ids, p, index=index, generator=gen,
-                       arrival_time=req.arrival_time)
+                       arrival_time=req.arrival_time, group=req.group)
         req.seqs.append(seq)
         return seq
 
