@@ -20,6 +20,7 @@ from zeal.inference.engine import LLMEngine
 from zeal.inference.outputs import RequestOutput
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.sleep import EngineAsleepError
+from zeal.inference.tensor_parallel import GroupFailedError
 
 log = logging.getLogger("zeal.serve")
 
@@ -100,6 +101,7 @@ class AsyncEngine(StreamFront):
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.peak_waiting = 0  # high-water mark of num_waiting (exported on /metrics)
+        self.dead: str | None = None  # why the engine can run no more requests (a tensor-parallel rank died)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -123,6 +125,8 @@ class AsyncEngine(StreamFront):
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream,
                 group: str | None = None) -> None:
         with self._lock:
+            if self.dead is not None:
+                raise RuntimeError(f"the engine cannot run requests: {self.dead}")
             if self.num_waiting >= self.max_waiting:
                 self.engine.metrics.rejected_total += 1
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
@@ -133,6 +137,16 @@ class AsyncEngine(StreamFront):
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def fail_all(self, message: str) -> None:
+        """The engine can run no more (any thread): every open stream ends with ``message``
+        (an error event, then ``[DONE]``) and new requests are refused (503)."""
+        with self._lock:
+            self.dead = self.dead or message
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, RuntimeError(message))
+            self.abort(rid)
 
     # ------------------------------------------------------------ engine thread
     def _apply(self, cmd: tuple) -> None:
@@ -174,6 +188,12 @@ class AsyncEngine(StreamFront):
                 outs = self.engine.step()
                 self.steps += 1
                 self.peak_waiting = max(self.peak_waiting, self.num_waiting)  # preemption re-queues
+            except GroupFailedError as e:  # one line: the collective's traceback says nothing more
+                log.error("%s: failing the %d request(s) in flight; no more can run", e, len(self.engine.requests))
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid)
+                self.fail_all(str(e))
+                continue
             except Exception as e:  # noqa: BLE001 - outside any one request (the engine isolates its
                 # requests' own failures): a bug must not kill the server, fail the requests in flight
                 log.exception("engine step failed")

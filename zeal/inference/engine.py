@@ -31,6 +31,7 @@ from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, 
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.speculative import accept, draft_for, num_drafts
 from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks, mask_rows
+from zeal.inference.tensor_parallel import GroupFailedError
 from zeal.inference.tokenizer import Tokenizer
 
 log = logging.getLogger("zeal.inference")
@@ -331,6 +332,8 @@ class LLMEngine:
         ``sched`` (the rows returned follow the sampled chunks that remain)."""
         try:
             return self.runner.execute(sched).cpu()
+        except GroupFailedError:
+            raise  # the tensor-parallel group is gone: no request can run alone either
         except Exception as e:  # noqa: BLE001 - isolated below
             batch_error = e
         groups: dict[str, list[ScheduledChunk]] = {}
