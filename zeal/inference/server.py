@@ -524,7 +524,10 @@ def _tool_functions(tools: list[dict] | None, choice: str | dict | None, params:
     if forced(choice):
         if params.structured_outputs is not None:
             raise APIError(400, "a forced tool_choice cannot be combined with response_format", param="tool_choice")
-        params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+        try:
+            params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+        except ValueError as e:
+            raise APIError(400, f"tools: {e}", param="tools") from None
     return funcs
 
 

@@ -83,6 +83,8 @@ class StructuredOutputsParams:
                 raise GrammarError(f"structured outputs: json is not a valid JSON schema document: {e}") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise GrammarError("structured outputs: json must be a JSON schema object")
+        if self.json is not None and (cycle := ref_cycle(self.json)):
+            raise GrammarError(f"structured outputs: json: $ref cycle {' -> '.join(cycle)} (nothing can match it)")
 
     def grammar_text(self) -> str:
         """The llguidance grammar of the constraint."""
@@ -96,6 +98,50 @@ class StructuredOutputsParams:
         if self.regex is not None:
             return M.grammar_from_regex(self.regex)
         return M.grammar_from_lark(self.grammar)
+
+
+_PURE_REF_KEYS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"}
+
+
+def ref_cycle(schema: dict) -> list[str] | None:
+    """The first chain of local ``$ref`` that comes back to itself through schemas that are
+    nothing but a reference (``{"$ref": "#"}``, ``a -> b -> a``), or None. Walks the schema
+    without recursion (it may be nested deeply)."""
+
+    def resolve(ref: str):
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def pure_ref(node) -> str | None:
+        if isinstance(node, dict) and not set(node) - _PURE_REF_KEYS:
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                return ref
+        return None
+
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            chain: list[str] = []
+            target = node
+            while (ref := pure_ref(target)) is not None:
+                if ref in chain:
+                    return chain[chain.index(ref):] + [ref]
+                chain.append(ref)
+                target = resolve(ref)
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))  # each node walked once
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return None
 
 
 def _require_llguidance():
