@@ -107,12 +107,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _exit_on_rank_death(message: str) -> None:
-    """A tensor-parallel rank died: the server cannot go on (its passes need every rank)."""
-    import os
+class _RankDeath:
+    """A tensor-parallel rank died: the server cannot go on (its passes need every rank).
+    Says so in one line, ends every open stream with an error event (then ``[DONE]``), and
+    stops the server gracefully (uvicorn lets the open responses finish), exit code 1; a
+    stop that hangs is cut after ``grace`` seconds. Before serving: exit at once."""
 
-    print(f"zeal serve: {message}; stopping", file=sys.stderr, flush=True)
-    os._exit(1)
+    def __init__(self, grace: float = 10.0) -> None:
+        self.aengine = None
+        self.message: str | None = None
+        self.grace = grace
+
+    def __call__(self, message: str) -> None:
+        import os
+        import signal
+        import threading
+
+        if self.message is not None:
+            return
+        self.message = message
+        print(f"zeal serve: {message}; stopping", file=sys.stderr, flush=True)
+        if self.aengine is None:
+            os._exit(1)
+        self.aengine.fail_all(message)
+        timer = threading.Timer(self.grace, os._exit, (1,))
+        timer.daemon = True
+        timer.start()
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+
+
+_exit_on_rank_death = _RankDeath()
 
 
 def load_engine(cfg: InferenceConfig):
@@ -177,7 +201,8 @@ def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):
     except BaseException:
         tp.shutdown()
         raise
-    return AsyncEngine(engine, max_waiting)
+    _exit_on_rank_death.aengine = AsyncEngine(engine, max_waiting)
+    return _exit_on_rank_death.aengine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -206,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"zeal serve: {name} on http://{srv.host}:{srv.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, timeout_graceful_shutdown=5,
                 **uvicorn_limits(srv.limits))
-    return 0  # under tensor parallelism the other ranks are stopped at exit
+    return 1 if _exit_on_rank_death.message else 0  # under tensor parallelism the other ranks are stopped at exit
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,10 +103,18 @@ class ServerLimits(Section):
     keep_alive_timeout_s: int = Field(
         5, ge=1, description="Seconds an idle keep-alive connection stays open (uvicorn's timeout_keep_alive).")
     max_connections: int = Field(
-        512, ge=1, description="Most connections and requests open at once (uvicorn's limit_concurrency; "
-        "beyond: HTTP 503).")
+        512, ge=1, description="Most requests served at once, i.e. connections past their request headers "
+        "(beyond: HTTP 503 in the OpenAI error shape); idle connections are bounded apart.")
+    max_idle_connections: int = Field(
+        256, ge=1, description="Most connections open that have not sent a complete request (new, or kept "
+        "alive between requests); one more closes the oldest of them.")
     max_n: int = Field(16, ge=1, description="Largest 'n' (completions per prompt) a request may ask for.")
     max_prompts: int = Field(64, ge=1, description="Most prompts in one /v1/completions request.")
+    max_request_seqs: int = Field(
+        64, ge=1, description="Most sequences one request may ask for: its prompts times n (beyond: HTTP 400).")
+    max_request_tokens: int = Field(
+        262144, ge=1, description="Most tokens one request may ask for: the prompt tokens plus n times max_tokens, "
+        "over its prompts (beyond: HTTP 400).")
 
 
 class ServerConfig(Section):

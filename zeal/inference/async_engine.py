@@ -20,6 +20,7 @@ from zeal.inference.engine import LLMEngine
 from zeal.inference.outputs import RequestOutput
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.sleep import EngineAsleepError
+from zeal.inference.tensor_parallel import GroupFailedError
 
 log = logging.getLogger("zeal.serve")
 
@@ -40,18 +41,20 @@ class StreamFront(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue]) -> None:
-        """Admit a request and register ``stream`` for it (raise to refuse it)."""
+                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], group: str | None = None) -> None:
+        """Admit a request and register ``stream`` for it (raise to refuse it); ``group``: the
+        client request it is part of (the engine shares its passes fairly between groups)."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op when it has finished)."""
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request; closing the iterator early aborts it."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the outputs of one request; closing the iterator early aborts it. ``group``:
+        the client request it is part of (default: its own id)."""
         q: asyncio.Queue = asyncio.Queue()
-        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q))
+        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q), group)
         finished = False
         try:
             while True:
@@ -98,6 +101,7 @@ class AsyncEngine(StreamFront):
         self._thread: threading.Thread | None = None
         self.steps = 0
         self.peak_waiting = 0  # high-water mark of num_waiting (exported on /metrics)
+        self.dead: str | None = None  # why the engine can run no more requests (a tensor-parallel rank died)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -118,23 +122,36 @@ class AsyncEngine(StreamFront):
         return self.engine.num_waiting + self._pending_adds
 
     # ------------------------------------------------------------ API (event loop side)
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream) -> None:
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream,
+                group: str | None = None) -> None:
         with self._lock:
+            if self.dead is not None:
+                raise RuntimeError(f"the engine cannot run requests: {self.dead}")
             if self.num_waiting >= self.max_waiting:
                 self.engine.metrics.rejected_total += 1
                 raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests); retry later")
             self._pending_adds += 1
             self._streams[request_id] = stream
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
-        self._inbox.put(("add", request_id, prompt_ids, params))
+        self._inbox.put(("add", request_id, prompt_ids, params, group))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def fail_all(self, message: str) -> None:
+        """The engine can run no more (any thread): every open stream ends with ``message``
+        (an error event, then ``[DONE]``) and new requests are refused (503)."""
+        with self._lock:
+            self.dead = self.dead or message
+            rids = list(self._streams)
+        for rid in rids:
+            self._deliver(rid, RuntimeError(message))
+            self.abort(rid)
+
     # ------------------------------------------------------------ engine thread
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt_ids, params = cmd
+            _, rid, prompt_ids, params, group = cmd
             # the move from pending to the engine's waiting queue happens under the lock, so
             # that generate() never sees the request in neither place and admits one too many
             error = None
@@ -143,7 +160,7 @@ class AsyncEngine(StreamFront):
                 if rid not in self._streams:
                     return  # aborted before it reached the engine
                 try:
-                    self.engine.add_request(rid, prompt_ids, params)
+                    self.engine.add_request(rid, prompt_ids, params, group=group)
                 except (ValueError, EngineAsleepError) as e:  # the request's own failure (400 / 503)
                     error = e
                 except Exception as e:  # noqa: BLE001 - a bug: fail this request, keep the thread
@@ -171,6 +188,12 @@ class AsyncEngine(StreamFront):
                 outs = self.engine.step()
                 self.steps += 1
                 self.peak_waiting = max(self.peak_waiting, self.num_waiting)  # preemption re-queues
+            except GroupFailedError as e:  # one line: the collective's traceback says nothing more
+                log.error("%s: failing the %d request(s) in flight; no more can run", e, len(self.engine.requests))
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid)
+                self.fail_all(str(e))
+                continue
             except Exception as e:  # noqa: BLE001 - outside any one request (the engine isolates its
                 # requests' own failures): a bug must not kill the server, fail the requests in flight
                 log.exception("engine step failed")

@@ -30,7 +30,8 @@ from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.speculative import accept, draft_for, num_drafts
-from zeal.inference.structured import GrammarCompiler, mask_rows
+from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks, mask_rows
+from zeal.inference.tensor_parallel import GroupFailedError
 from zeal.inference.tokenizer import Tokenizer
 
 log = logging.getLogger("zeal.inference")
@@ -45,6 +46,7 @@ class _Request:
     arrival_time: float = field(default_factory=time.monotonic)
     error: str | None = None
     error_type: str = "invalid_request_error"
+    group: str = ""
 
 
 class LLMEngine:
@@ -95,9 +97,12 @@ class LLMEngine:
         self._weights_discarded = False  # sleep(level=2) until load_weights
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    group: str | None = None) -> None:
         """Queue a request. Raises ``ValueError`` for one that could never run and
-        :class:`EngineAsleepError` while the engine sleeps."""
+        :class:`EngineAsleepError` while the engine sleeps. ``group``: the client request it
+        is part of (the prompts of one HTTP request share one; default: its own id); the
+        scheduler shares each pass fairly between groups."""
         self._check_awake()
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -118,7 +123,7 @@ class LLMEngine:
                 f"maximum sequence length {self.max_seq_tokens}"
             )
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
-        req = _Request(request_id, prompt_ids, params)
+        req = _Request(request_id, prompt_ids, params, group=group or request_id)
         seq = self._new_seq(req, 0)
         seq.matcher = matcher
         seq.pending_fork = params.n > 1
@@ -129,7 +134,7 @@ class LLMEngine:
         p = req.params
         gen = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
         seq = Sequence(next(self._seq_ids), req.request_id, req.prompt_ids, p, index=index, generator=gen,
-                       arrival_time=req.arrival_time)
+                       arrival_time=req.arrival_time, group=req.group)
         req.seqs.append(seq)
         return seq
 
@@ -260,11 +265,15 @@ class LLMEngine:
                     rows.append(num_sampled)
             c.seq.draft_ids = []
             num_sampled += c.num_rows
+        if any(s.matcher is not None for s in to_sample):
+            to_sample, rows, masks = self._grammar_masks(to_sample, rows, touched)
+        else:
+            masks = None
         all_logits = logits
         if len(rows) < num_sampled:
             logits = logits[rows]
-        if any(s.matcher is not None for s in to_sample):
-            logits = mask_rows(logits, [s.matcher for s in to_sample])
+        if masks is not None:
+            logits = mask_rows(logits, masks)
         results = self._sample(logits, to_sample, touched)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
@@ -286,12 +295,27 @@ class LLMEngine:
         return [self._output(r) for r in touched.values()]
 
     # ------------------------------------------------------------ failure isolation
+    def _grammar_masks(self, seqs: list[Sequence], rows: list[int], touched: dict[str, _Request]):
+        """The allowed-token masks of ``seqs`` (None where unconstrained); the sequences whose
+        constraint fails here fail their request (the client's error) and leave the lists."""
+        masks = grammar_masks([s.matcher for s in seqs], self.vocab_size)
+        for seq, m in zip(seqs, masks):
+            if isinstance(m, GrammarError):
+                self._fail(self.requests[seq.request_id], m, touched)
+        keep = [i for i, s in enumerate(seqs) if self.requests[s.request_id].error is None]
+        return [seqs[i] for i in keep], [rows[i] for i in keep], [masks[i] for i in keep]
+
     def _fail(self, req: _Request, e: BaseException, touched: dict[str, _Request]) -> None:
-        """End ``req`` with an engine error and free its blocks; the batch goes on."""
-        log.error("request %s failed in an engine step: %s: %s", req.request_id, type(e).__name__, e,
-                  exc_info=e)
-        req.error = f"engine error: {type(e).__name__}: {e}"
-        req.error_type = "server_error"
+        """End ``req`` with an engine error and free its blocks; the batch goes on. A
+        :class:`GrammarError` is the request's own mistake: a 400 with its one line."""
+        if isinstance(e, GrammarError):
+            log.info("request %s: %s", req.request_id, e)
+            req.error, req.error_type = str(e), "invalid_request_error"
+        else:
+            log.error("request %s failed in an engine step: %s: %s", req.request_id, type(e).__name__, e,
+                      exc_info=e)
+            req.error = f"engine error: {type(e).__name__}: {e}"
+            req.error_type = "server_error"
         for seq in req.seqs:
             if seq.finished:
                 continue
@@ -308,6 +332,8 @@ class LLMEngine:
         ``sched`` (the rows returned follow the sampled chunks that remain)."""
         try:
             return self.runner.execute(sched).cpu()
+        except GroupFailedError:
+            raise  # the tensor-parallel group is gone: no request can run alone either
         except Exception as e:  # noqa: BLE001 - isolated below
             batch_error = e
         groups: dict[str, list[ScheduledChunk]] = {}
@@ -427,8 +453,7 @@ class LLMEngine:
         stopped_by_token = (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids
         if seq.matcher is not None:
             seq.matcher.consume_token(tok)
-            if seq.matcher.is_error():
-                raise RuntimeError(f"structured outputs: {seq.matcher.get_error()}")
+            check(seq.matcher)
         if stopped_by_token or (seq.matcher is not None and seq.matcher.is_stopped()):
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_seq_tokens:

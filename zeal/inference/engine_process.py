@@ -8,7 +8,7 @@ keeps the tokenizer (for chat templates, token strings, tool parsing) and a view
 engine's state. They speak length-prefixed JSON over one duplex pipe
 (``send_bytes``/``recv_bytes``; nothing is pickled):
 
-- parent → child: ``{"op": "add", "rid", "prompt", "params"}``, ``{"op": "abort", "rid"}``,
+- parent → child: ``{"op": "add", "rid", "prompt", "params", "group"}``, ``{"op": "abort", "rid"}``,
   ``{"op": "stop"}``;
 - child → parent: ``{"op": "ready", "max_seq_tokens", "vocab_size"}`` once the model is
   loaded, or ``{"op": "fatal", "msg"}``; then after every step (and after commands that
@@ -165,7 +165,8 @@ class EngineProcess(StreamFront):
         with self._send_lock:
             _send(self._conn, msg)
 
-    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream) -> None:
+    def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream,
+                group: str | None = None) -> None:
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError(f"the engine process is not running: {self._dead}")
@@ -177,7 +178,7 @@ class EngineProcess(StreamFront):
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
             try:
                 self._post({"op": "add", "rid": request_id, "prompt": list(prompt_ids),
-                            "params": dataclasses.asdict(params)})
+                            "params": dataclasses.asdict(params), "group": group})
             except (OSError, ValueError) as e:  # the pipe is closed: the child is gone
                 self._streams.pop(request_id, None)
                 raise RuntimeError(f"the engine process is not running ({type(e).__name__})") from None
@@ -251,7 +252,8 @@ class EngineLoop:
         if op == "add":
             self.adds += 1
             try:
-                self.engine.add_request(msg["rid"], msg["prompt"], SamplingParams(**msg["params"]))
+                self.engine.add_request(msg["rid"], msg["prompt"], SamplingParams(**msg["params"]),
+                                        group=msg.get("group"))
             except ValueError as e:
                 self.errors.append((msg["rid"], "value", str(e)))
             except EngineAsleepError as e:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.structured import StructuredOutputsParams
@@ -171,14 +171,38 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+class ToolChoiceFunction(BaseModel):
+    """``tool_choice.function``: the name of the function the answer must call."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name": ...}}``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     stream_options: StreamOptions | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, v: object) -> object:
+        named = (isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict)
+                 and isinstance(v["function"].get("name"), str))
+        if v is None or named or v in ("none", "auto", "required"):
+            return v
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}')

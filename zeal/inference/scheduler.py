@@ -10,16 +10,40 @@ whole known token list (FastGen's rule: prompts are split for lack of budget,
 never for lack of memory).
 
 When a decoding sequence finds no free block, the youngest running sequence
-is preempted by recompute: its blocks are freed and it goes back to the front
-of the waiting queue with its generated tokens appended to its prompt (prefix
-caching usually makes the recompute cheap). The oldest sequence always makes
-progress, and requests that could never fit are refused at admission by the
-engine, so the loop never hangs.
+of the largest group (below) is preempted by recompute: its blocks are freed
+and it goes back to the waiting queue, in arrival order, with its generated
+tokens appended to its prompt (prefix caching usually makes the recompute
+cheap). Requests that could never fit are refused at admission by the engine,
+so the loop never hangs.
+
+Fair share between client requests. Every sequence belongs to a *group*: the
+client request it came from (all prompts and ``n`` choices of one HTTP request
+share one). Each pass serves the groups round-robin, in the order they arrived,
+and within a group oldest first:
+
+- decodes: the groups' decoding sequences are interleaved (one of each group,
+  then a second of each, ...); while some group has prompt work, one slot (and
+  one token) per such group is kept back for it (at most half the pass);
+- prompt chunks: continuations, then admissions, interleaved the same way; each
+  chunk takes at most the budget left divided by the groups still to be served;
+- memory: a group blocked at admission for lack of KV blocks may preempt the
+  youngest sequences of a group running at least two more sequences than it.
+
+The bound. With ``G`` groups holding work, ``M = max_num_seqs`` and
+``B = max_num_batched_tokens``, each pass gives every group at least
+``min(its decoding sequences, floor((M - G) / G))`` decode slots and a prompt
+chunk of at least ``floor((B - M) / G)`` tokens. So a request of ``s`` sequences
+(``s <= floor((M - G) / G)``) with a ``P``-token prompt and ``T`` tokens to
+generate finishes within ``ceil(P / floor((B - M) / G)) + T`` passes of its
+arrival, against ``ceil(P / B) + T - 1`` alone: beside one request of any size
+(``G = 2``), at most about twice its solo passes (while the KV cache can hold
+it: a larger group is preempted to make room). A pass is bounded in work by
+``B`` tokens, so the bound holds in time too, up to the cost of a full pass.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from zeal.inference.block_manager import BlockManager
@@ -107,15 +131,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
         scheduled: set[int] = set()
+        prompt_groups = {s.group for s in self.running if not s.is_decoding and s.num_uncomputed > 0}
+        prompt_groups |= {s.group for s in self.waiting}
+        keep = min(len(prompt_groups), max_seqs // 2, budget // 2)  # kept back for the prompt work
 
-        # 1. decode tokens first, oldest first; preempt the youngest when blocks run out
-        for seq in list(self.running):
-            if budget == 0 or len(out.chunks) == max_seqs:
+        # 1. decode tokens first, groups interleaved, oldest first within a group
+        for seq in interleave([s for s in self.running if s.is_decoding]):
+            if budget <= keep or len(out.chunks) >= max_seqs - keep:
                 break
             if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:
                 continue
             while not self.bm.can_append(seq):
-                victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+                victim = self._victim(scheduled)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -132,35 +159,79 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= 1 + k
 
-        # 2. prompt chunks: continuations of split prompts, then new arrivals (FCFS)
-        for seq in self.running:
+        # 2. prompt chunks: continuations of split prompts, then new arrivals, groups interleaved
+        cands = interleave([s for s in self.running if s.seq_id not in scheduled and not s.is_decoding
+                            and s.num_uncomputed > 0] + list(self.waiting))
+        remaining = Counter(s.group for s in cands)
+        blocked: set[str] = set()  # groups whose next arrival found no KV blocks
+        for seq in cands:
+            groups_left = sum(1 for n in remaining.values() if n > 0)
+            remaining[seq.group] -= 1
             if budget == 0 or len(out.chunks) == max_seqs:
                 break
-            if seq.seq_id in scheduled or seq.is_decoding or seq.num_uncomputed == 0:
+            if seq.group in blocked:
                 continue
-            budget -= self._schedule_prompt(seq, budget, out)
-            scheduled.add(seq.seq_id)
-        while self.waiting and budget > 0 and len(out.chunks) < max_seqs:
-            seq = self.waiting[0]
-            if not self.bm.can_allocate(seq):
+            cap = max(1, budget // groups_left)
+            if seq.status is SeqStatus.RUNNING:
+                budget -= self._schedule_prompt(seq, min(budget, cap), out)
+                scheduled.add(seq.seq_id)
+                continue
+            if seq.status is not SeqStatus.WAITING:
+                continue
+            if not self.bm.can_allocate(seq) and not self._make_room(seq, scheduled, out):
                 if not self.running and not out.chunks:
                     # every block is free and it still does not fit: it never will
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     seq.status = SeqStatus.FINISHED
                     seq.finish_reason = "error"
                     seq.error = f"request needs more KV blocks than the cache has ({self.bm.num_blocks})"
                     out.failed.append(seq)
                     continue
-                break
-            self.waiting.popleft()
+                blocked.add(seq.group)  # arrival order within a group: the rest of it waits too
+                continue
+            self.waiting.remove(seq)
             self.bm.allocate(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            budget -= self._schedule_prompt(seq, budget, out)
+            budget -= self._schedule_prompt(seq, min(budget, cap), out)
             scheduled.add(seq.seq_id)
         return out
+
+    def _victim(self, scheduled: set[int]) -> Sequence:
+        """The sequence to preempt for blocks: the youngest not yet in this pass of the group
+        running the most sequences (the youngest overall among equals)."""
+        counts = Counter(s.group for s in self.running)
+        cands = [s for s in reversed(self.running) if s.seq_id not in scheduled]
+        return max(cands, key=lambda s: counts[s.group])
+
+    def _make_room(self, seq: Sequence, scheduled: set[int], out: SchedulerOutput) -> bool:
+        """Preempt sequences of groups running at least two more sequences than ``seq``'s
+        (youngest of the largest first) until ``seq`` fits; False when it still does not."""
+        counts = Counter(s.group for s in self.running)
+        mine = counts[seq.group]
+        while not self.bm.can_allocate(seq):
+            cands = [s for s in reversed(self.running) if s.seq_id not in scheduled and counts[s.group] > mine + 1]
+            if not cands:
+                return False
+            victim = max(cands, key=lambda s: counts[s.group])
+            self._preempt(victim, out)
+            counts[victim.group] -= 1
+        return True
 
     def _schedule_prompt(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         n = min(seq.num_uncomputed, budget)
         out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, n == seq.num_uncomputed))
         return n
+
+
+def interleave(seqs: list[Sequence]) -> list[Sequence]:
+    """``seqs`` round-robin by group: the first of each group (groups in order of first
+    appearance), then the second of each, ...; the order within a group is kept."""
+    by_group: dict[str, list[Sequence]] = {}
+    for s in seqs:
+        by_group.setdefault(s.group, []).append(s)
+    lists = list(by_group.values())
+    out: list[Sequence] = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out.extend(x[i] for x in lists if i < len(x))
+    return out

@@ -32,6 +32,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     index: int = 0  # choice index within the request (n > 1)
+    group: str = ""  # the client request it belongs to (the scheduler shares passes fairly between groups)
     output_ids: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0

@@ -30,11 +30,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zeal.config.inference import ServerLimits
 from zeal.inference.async_engine import AsyncEngine, QueueFullError
+from zeal.inference.conn_guard import RequestLimit
 from zeal.inference.engine import LLMEngine
 from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from zeal.inference.sampling_params import SamplingParams
-from zeal.inference.server_guard import Guard, error_response, parse_json_object, read_body, uvicorn_limits
+from zeal.inference.server_guard import (
+    Guard,
+    check_budget,
+    error_response,
+    parse_json_object,
+    read_body,
+    uvicorn_limits,
+)
 from zeal.inference.structured import StructuredOutputsParams
 from zeal.inference.tools import allowed_tools, call_schema, forced, parse_tool_calls
 
@@ -77,6 +85,7 @@ def build_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="zeal", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=functools.partial(_lifespan, state))
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    app.add_middleware(RequestLimit, max_requests=state.limits.max_connections)  # outermost: counts every request
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(Exception, _internal_error)
@@ -205,7 +214,8 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, l
 async def run_all(aengine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> Outputs:
     """Run one engine request per prompt; yield ``(prompt_index, output)`` as they come."""
     rids = [f"{uuid.uuid4().hex}" for _ in prompts]
-    gens = [aengine.generate(rid, p, params) for rid, p in zip(rids, prompts)]
+    group = rids[0]  # one client request: the scheduler shares its passes fairly with the others
+    gens = [aengine.generate(rid, p, params, group) for rid, p in zip(rids, prompts)]
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, g) -> None:
@@ -374,6 +384,7 @@ async def completions(state: AppState, request: Request) -> Response | dict:
     req: CompletionRequest = await parse_body(state, request, CompletionRequest)
     prompts_in, prompts = _completion_prompts(state, req)
     max_tokens = min(check_length(state.engine, x, req.max_tokens, 16) for x in prompts)
+    check_budget(state.limits, [len(x) for x in prompts], req.n, max_tokens)
     params = _sampling(req, max_tokens, req.logprobs)
     cid, n, name = f"cmpl-{uuid.uuid4().hex}", req.n, state.model_name
     agen = run_all(state.aengine, prompts, params)
@@ -472,22 +483,24 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
         raise APIError(400, "this model has no tokenizer: chat is unavailable")
     msgs = [m.template_dict() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    if req.tool_choice not in (None, "none", "auto") and not tools:
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, BaseModel) else req.tool_choice
+    if choice not in (None, "none", "auto") and not tools:
         raise APIError(400, "tool_choice needs tools", param="tool_choice")
     try:
         prompt = tok.encode_chat(msgs, tools=tools)
     except Exception as e:  # template errors (e.g. unsupported roles) are the caller's
         raise APIError(400, f"chat template failed: {e}", param="messages") from None
     max_tokens = check_length(state.engine, prompt, req.max_completion_tokens or req.max_tokens, None)
+    check_budget(state.limits, [len(prompt)], req.n, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    funcs = _tool_functions(tools, req.tool_choice, params)
+    funcs = _tool_functions(tools, choice, params)
     cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        only = funcs if forced(req.tool_choice) else None
+        only = funcs if forced(choice) else None
         return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, only))
     final = (await collect_or_error(agen, request))[0]
     choices = []
@@ -511,7 +524,10 @@ def _tool_functions(tools: list[dict] | None, choice: str | dict | None, params:
     if forced(choice):
         if params.structured_outputs is not None:
             raise APIError(400, "a forced tool_choice cannot be combined with response_format", param="tool_choice")
-        params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+        try:
+            params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+        except ValueError as e:
+            raise APIError(400, f"tools: {e}", param="tools") from None
     return funcs
 
 

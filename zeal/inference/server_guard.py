@@ -30,61 +30,15 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def uvicorn_limits(limits: ServerLimits) -> dict:
-    """The uvicorn settings that bound connections: a deadline on each request's headers,
-    idle keep-alive time, and how many connections and requests may be open at once
-    (beyond: uvicorn's own plain-text 503)."""
-    return {"http": header_deadline_protocol(limits.header_read_timeout_s),
-            "timeout_keep_alive": limits.keep_alive_timeout_s, "limit_concurrency": limits.max_connections}
+    """The uvicorn settings that bound connections: idle connections (no complete request
+    head yet) capped apart, oldest closed first, each with a deadline on its request head
+    (:mod:`zeal.inference.conn_guard`), and idle keep-alive time. Requests being served are
+    bounded by :class:`~zeal.inference.conn_guard.RequestLimit` in the app (JSON 503);
+    uvicorn's ``limit_concurrency`` (plain-text 503, idle sockets counted) stays off."""
+    from zeal.inference.conn_guard import guarded_protocol
 
-
-def header_deadline_protocol(timeout: float) -> type:
-    """uvicorn's h11 protocol with a deadline on each request's headers: uvicorn has none,
-    so a client that opens a connection and never finishes its headers would hold it (and
-    a slot of ``limit_concurrency``) forever. The clock starts when the connection opens
-    and again when a response ends; it stops when a request's headers are complete (the
-    body then has its own deadline, :func:`read_body`)."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderDeadlineH11Protocol(H11Protocol):
-        _header_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self._in_request():
-                self._disarm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _in_request(self) -> bool:
-            return self.cycle is not None and not self.cycle.response_complete
-
-        def _arm(self) -> None:
-            self._disarm()
-            if not self.transport.is_closing() and not self._in_request():
-                self._header_timer = self.loop.call_later(timeout, self._expire)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _expire(self) -> None:
-            self._header_timer = None
-            if not self._in_request() and not self.transport.is_closing():
-                log.info("closing a connection that sent no complete request headers within %s s", timeout)
-                self.transport.close()
-
-    return HeaderDeadlineH11Protocol
+    return {"http": guarded_protocol(limits.header_read_timeout_s, limits.max_idle_connections),
+            "timeout_keep_alive": limits.keep_alive_timeout_s}
 
 
 class Guard:
@@ -161,3 +115,18 @@ def parse_json_object(body: bytes) -> dict:
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     return data
+
+
+def check_budget(limits: ServerLimits, prompt_lens: list[int], n: int, max_tokens: int) -> None:
+    """400 naming the limit when a request asks for more sequences (prompts x ``n``) or more
+    tokens (prompt tokens + ``n`` x ``max_tokens``, over its prompts) than one request may."""
+    seqs = len(prompt_lens) * n
+    if seqs > limits.max_request_seqs:
+        raise APIError(400, f"this request asks for {seqs} sequences ({len(prompt_lens)} prompt(s) x n {n}); one "
+                            f"request may ask for {limits.max_request_seqs} (max_request_seqs, --max-request-seqs)",
+                       param="n", code="request_too_large")
+    tokens = sum(prompt_lens) + seqs * max_tokens
+    if tokens > limits.max_request_tokens:
+        raise APIError(400, f"this request asks for {tokens} tokens (prompt tokens + n x max_tokens per prompt); one "
+                            f"request may ask for {limits.max_request_tokens} (max_request_tokens, "
+                            "--max-request-tokens)", param="max_tokens", code="request_too_large")

@@ -12,6 +12,12 @@ accepting state), end-of-sequence is among the allowed tokens.
 
 JSON is generated compact (no optional whitespace) unless the schema's ``x-guidance``
 says otherwise: bounded schemas then give bounded outputs.
+
+A constraint that is wrong is the client's mistake wherever it shows: a wrongly typed
+field, a grammar that does not compile, or one that admits no output at all (a ``$ref``
+cycle, ``{"$ref": "#"}``), found when compiling or at a later mask, raises
+:class:`GrammarError` (a ``ValueError``: HTTP 400) with one line naming it, never
+llguidance's internal state.
 """
 
 from __future__ import annotations
@@ -26,6 +32,26 @@ import torch
 from zeal.inference.tokenizer import Tokenizer
 
 JSON_DEFAULTS = {"whitespace_flexible": False}
+_STOP_REASONS = {  # llguidance's reasons for a matcher that cannot go on, in words
+    "NoExtension": "the constraint admits no further output",
+    "NoExtensionBias": "the constraint admits no output (a $ref cycle, or a schema nothing can match?)",
+    "LexerTooComplex": "the constraint is too complex (its lexer grew past llguidance's limits)",
+    "ParserTooComplex": "the constraint is too complex (its parser grew past llguidance's limits)",
+}
+
+
+class GrammarError(ValueError):
+    """A structured-outputs constraint that cannot be used (the request's mistake)."""
+
+
+def one_line(error: str, limit: int = 300) -> str:
+    """llguidance's error text as one line: its message, without the state dump that may follow."""
+    text = error.split("<state>", 1)[0].strip()
+    first = text.splitlines()[0].strip() if text else ""
+    if first in _STOP_REASONS:
+        return _STOP_REASONS[first]
+    msg = " ".join(text.split())  # a regex error's caret lines folded in
+    return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
 @dataclass
@@ -42,15 +68,23 @@ class StructuredOutputsParams:
         given = [n for n, v in (("json", self.json), ("json_object", self.json_object or None),
                                 ("regex", self.regex), ("grammar", self.grammar)) if v is not None]
         if len(given) != 1:
-            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, grammar; got "
-                             f"{', '.join(given) or 'none'}")
+            raise GrammarError(f"structured outputs take exactly one of json, json_object, regex, grammar; got "
+                               f"{', '.join(given) or 'none'}")
+        for name, kind in (("regex", str), ("grammar", str), ("json_object", bool), ("json", (dict, str))):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                what = {"regex": "a string", "grammar": "a string (Lark)", "json_object": "a boolean",
+                        "json": "a JSON schema object"}[name]
+                raise GrammarError(f"structured outputs: {name} must be {what}, got {type(value).__name__}")
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
             except json.JSONDecodeError as e:
-                raise ValueError(f"structured outputs: json is not a valid JSON schema document: {e}") from None
+                raise GrammarError(f"structured outputs: json is not a valid JSON schema document: {e}") from None
         if self.json is not None and not isinstance(self.json, dict):
-            raise ValueError("structured outputs: json must be a JSON schema object")
+            raise GrammarError("structured outputs: json must be a JSON schema object")
+        if self.json is not None and (cycle := ref_cycle(self.json)):
+            raise GrammarError(f"structured outputs: json: $ref cycle {' -> '.join(cycle)} (nothing can match it)")
 
     def grammar_text(self) -> str:
         """The llguidance grammar of the constraint."""
@@ -64,6 +98,50 @@ class StructuredOutputsParams:
         if self.regex is not None:
             return M.grammar_from_regex(self.regex)
         return M.grammar_from_lark(self.grammar)
+
+
+_PURE_REF_KEYS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"}
+
+
+def ref_cycle(schema: dict) -> list[str] | None:
+    """The first chain of local ``$ref`` that comes back to itself through schemas that are
+    nothing but a reference (``{"$ref": "#"}``, ``a -> b -> a``), or None. Walks the schema
+    without recursion (it may be nested deeply)."""
+
+    def resolve(ref: str):
+        node = schema
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def pure_ref(node) -> str | None:
+        if isinstance(node, dict) and not set(node) - _PURE_REF_KEYS:
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+                return ref
+        return None
+
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            chain: list[str] = []
+            target = node
+            while (ref := pure_ref(target)) is not None:
+                if ref in chain:
+                    return chain[chain.index(ref):] + [ref]
+                chain.append(ref)
+                target = resolve(ref)
+            stack.extend(v for v in node.values() if isinstance(v, dict | list))  # each node walked once
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, dict | list))
+    return None
 
 
 def _require_llguidance():
@@ -94,15 +172,22 @@ class GrammarCompiler:
         return self._ll
 
     def matcher(self, params: StructuredOutputsParams) -> Any:
-        """A fresh matcher; ``ValueError`` naming the problem for a grammar that does not compile."""
+        """A fresh matcher whose first mask is computed: :class:`GrammarError` naming the
+        problem in one line for a grammar that does not compile or admits no output."""
         llguidance = _require_llguidance()
         try:
             text = params.grammar_text()
-        except ValueError as e:
-            raise ValueError(f"structured outputs: {e}") from None
-        m = llguidance.LLMatcher(self._ll_tokenizer(), text, log_level=0)
+        except Exception as e:  # noqa: BLE001 - whatever the client's constraint makes llguidance raise
+            raise GrammarError(f"structured outputs: {one_line(str(e))}") from None
+        ll = self._ll_tokenizer()
+        try:
+            m = llguidance.LLMatcher(ll, text, log_level=0)
+        except Exception as e:  # noqa: BLE001 - as above
+            raise GrammarError(f"structured outputs: the grammar does not compile: {one_line(str(e))}") from None
         if m.is_error():
-            raise ValueError(f"structured outputs: the grammar does not compile: {m.get_error()}")
+            raise GrammarError(f"structured outputs: the grammar does not compile: {one_line(m.get_error())}")
+        m.compute_bitmask()  # the first mask: a grammar that admits nothing says so here, before any pass
+        check(m)
         return m
 
 
@@ -124,6 +209,12 @@ class _TokenTable:
         return self._tok.encode(text, add_special_tokens=False)
 
 
+def check(matcher: Any) -> None:
+    """:class:`GrammarError` (one line) when the matcher has failed (after a mask or a token)."""
+    if matcher.is_error():
+        raise GrammarError(f"structured outputs: {one_line(matcher.get_error())}")
+
+
 def allowed_mask(matcher: Any, vocab_size: int) -> torch.Tensor:
     """``(vocab_size,)`` bool: the tokens the matcher allows next."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
@@ -133,13 +224,32 @@ def allowed_mask(matcher: Any, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def mask_rows(logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:
-    """``logits (S, V)`` with the disallowed tokens of row ``i`` at -inf, for the rows whose
-    matcher is not None (a copy when any row is masked)."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+def grammar_masks(matchers: list[Any], vocab_size: int) -> list[torch.Tensor | GrammarError | None]:
+    """Per row: the allowed-token mask of its matcher, None without one, or the
+    :class:`GrammarError` of a matcher that fails here (a mask that allows nothing included)."""
+    out: list[torch.Tensor | GrammarError | None] = []
+    for m in matchers:
+        if m is None:
+            out.append(None)
+            continue
+        try:
+            mask = allowed_mask(m, vocab_size)
+            check(m)
+            if not bool(mask.any()):
+                raise GrammarError("structured outputs: the constraint allows no token here")
+            out.append(mask)
+        except GrammarError as e:
+            out.append(e)
+    return out
+
+
+def mask_rows(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """``logits (S, V)`` with the disallowed tokens of row ``i`` at -inf, for the rows with a
+    mask (a copy when any row is masked)."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
     if not rows:
         return logits
     logits = logits.clone()
     for i in rows:
-        logits[i].masked_fill_(~allowed_mask(matchers[i], logits.shape[-1]), float("-inf"))
+        logits[i].masked_fill_(~masks[i], float("-inf"))
     return logits

@@ -51,10 +51,16 @@ from torch import nn
 
 from zeal.inference.model_runner import ModelRunner, StepPlan
 
-__all__ = ["TensorParallelGroup", "check_tp_size", "in_launched_job", "join_tensor_parallel", "load_split",
+__all__ = ["GroupFailedError", "TensorParallelGroup", "check_tp_size", "in_launched_job", "join_tensor_parallel", "load_split",
            "spawn_tensor_parallel"]
 
 STOP, INIT, STEP, ALIVE = 0, 1, 2, 3  # the commands rank 0 sends
+
+
+class GroupFailedError(RuntimeError):
+    """A tensor-parallel pass could not run (a rank died, a collective failed): the ranks'
+    collectives are out of step, so the group serves no more. Every request in flight fails
+    with this one-line message (no per-request retry, no collective's traceback)."""
 
 
 def in_launched_job() -> bool:
@@ -166,11 +172,28 @@ class TensorParallelGroup:
         """Rank 0: send ``plan`` to the other ranks and hold the group while this rank runs it."""
         with self._lock:
             if self.dead is not None:
-                raise RuntimeError(self.dead)
+                raise GroupFailedError(self.dead)
             if self._closed:
                 raise RuntimeError("the tensor-parallel group was shut down")
-            self._send(STEP, plan.to_json())
-            yield
+            try:
+                self._send(STEP, plan.to_json())
+                yield
+            except Exception as e:  # noqa: BLE001 - any failure mid-pass leaves the ranks out of step
+                self.dead = self.dead or self._failure(e)
+                raise GroupFailedError(self.dead) from None
+
+    def _failure(self, e: BaseException, wait: float = 2.0) -> str:
+        """One line for a failed pass: the rank that died (a started worker seen exiting within
+        ``wait`` seconds: a collective fails as soon as a peer's socket closes), else the error."""
+        deadline = time.monotonic() + (wait if self.procs else 0)
+        while True:
+            for r, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    return f"tensor-parallel rank {r} exited with code {p.returncode}"
+            if time.monotonic() >= deadline:
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                return f"a tensor-parallel pass failed ({type(e).__name__}: {first})"
+            time.sleep(0.05)
 
     def _heartbeat(self) -> None:
         """Idle ranks wait in a broadcast, which fails after the process group's timeout: while

@@ -27,7 +27,11 @@ def allowed_tools(tools: list[dict], tool_choice: str | dict | None) -> list[dic
     """The ``function`` entries a call may name; ``ValueError`` for a choice naming none of them."""
     funcs = [t["function"] for t in tools]
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name")
+        function = tool_choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                             '"function": {"name": NAME}}')
         funcs = [f for f in funcs if f["name"] == name]
         if not funcs:
             raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
@@ -35,11 +39,34 @@ def allowed_tools(tools: list[dict], tool_choice: str | dict | None) -> list[dic
 
 
 def call_schema(funcs: list[dict]) -> dict:
-    """The JSON schema of one call to any of ``funcs``."""
-    alts = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                              "arguments": f.get("parameters") or {"type": "object"}},
-             "required": ["name", "arguments"], "additionalProperties": False} for f in funcs]
-    return alts[0] if len(alts) == 1 else {"anyOf": alts}
+    """The JSON schema of one call to any of ``funcs``. Each function's ``parameters`` schema
+    moves whole under the root's ``$defs`` (as ``fn0``, ``fn1``, ...) and ``arguments`` refers
+    to it, with its own local references (``#``, ``#/$defs/...``, ``#/definitions/...``:
+    pydantic's shape) rewritten to point inside it, so they resolve as they did at its root."""
+    defs, alts = {}, []
+    for i, f in enumerate(funcs):
+        params = f.get("parameters") or {"type": "object"}
+        defs[f"fn{i}"] = _rebase_refs(params, f"#/$defs/fn{i}")
+        alts.append({"type": "object", "properties": {"name": {"const": f["name"]},
+                                                      "arguments": {"$ref": f"#/$defs/fn{i}"}},
+                     "required": ["name", "arguments"], "additionalProperties": False})
+    root = alts[0] if len(alts) == 1 else {"anyOf": alts}
+    return root | {"$defs": defs}
+
+
+def _rebase_refs(node, base: str):
+    """A copy of the schema ``node`` whose local ``$ref`` (``#`` and ``#/...``) point under ``base``."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                out[k] = base + v[1:]
+            else:
+                out[k] = _rebase_refs(v, base)
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
 
 
 def parse_tool_calls(text: str, funcs: list[dict]) -> list[dict] | None:
