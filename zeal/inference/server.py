@@ -319,10 +319,23 @@ async def health(state: AppState, request: Request) -> dict:
     return {"status": "ok"}
 
 
+def _model_card(state: AppState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "zeal",
+            "max_model_len": state.engine.max_seq_tokens}
+
+
 async def models(state: AppState, request: Request) -> dict:
     """``GET /v1/models``: the one model served."""
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                       "owned_by": "zeal", "max_model_len": state.engine.max_seq_tokens}]}
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+async def model(state: AppState, request: Request) -> dict:
+    """``GET /v1/models/{model}``: the served model's card (the SDK's ``models.retrieve``); 404 for another."""
+    name = request.path_params["model"]
+    if name != state.model_name:
+        raise APIError(404, f"model {name!r} does not exist (serving {state.model_name!r})", param="model",
+                       code="model_not_found")
+    return _model_card(state)
 
 
 async def metrics(state: AppState, request: Request) -> PlainTextResponse:
@@ -429,8 +442,8 @@ def _chat_message(c: CompletionOutput, funcs: list[dict] | None) -> tuple[dict, 
     answer is a call to one of ``funcs``, else the text."""
     calls = parse_tool_calls(c.text, funcs) if funcs else None
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": c.text}, c.finish_reason
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
 
 def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
@@ -441,6 +454,8 @@ def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, inclu
 
     def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
+        if include_usage:  # OpenAI: null on every chunk but the last
+            base["usage"] = None
         for c in out.outputs:
             delta = {}
             if c.index not in started:
@@ -525,6 +540,7 @@ BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
 ROUTES: list[tuple[str, str, Callable[[AppState, Request], Awaitable[object]]]] = [
     ("/health", "GET", health),
     ("/v1/models", "GET", models),
+    ("/v1/models/{model:path}", "GET", model),
     ("/metrics", "GET", metrics),
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
