@@ -10,6 +10,9 @@ lm-eval lives in its own virtual environment (it is no dependency of zeal):
 
     python -m venv /path/lmeval && /path/lmeval/bin/pip install "lm-eval==0.4.13" "torch==2.13.0"
     python bench/inference/bench_lm_eval.py --lm-eval-python /path/lmeval/bin/python [--model FOLDER]
+
+``--prefill-cost N`` instead times the prefill of an N-token prompt in zeal's engine with and
+without prompt log-probs (``max_tokens=1``, prefix caching off, best of 3).
 """
 
 from __future__ import annotations
@@ -140,19 +143,48 @@ def read_samples(out: Path) -> tuple[dict[int, list[float]], float]:
     return lls, acc
 
 
+def prefill_cost(model: str, num_tokens: int, threads: int) -> None:
+    """Print the prefill time of a ``num_tokens`` prompt with and without ``prompt_logprobs=1``."""
+    import torch
+
+    from zeal.inference import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model, dtype="float32", enable_prefix_caching=False)
+    prompt = torch.randint(100, llm.engine.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    times = {}
+    for name, k in (("plain", None), ("prompt_logprobs=1", 1), ("plain", None), ("prompt_logprobs=1", 1)):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            out = llm.generate([prompt.tolist()], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=k))[0]
+            best = min(best, time.perf_counter() - t0)
+        assert (out.prompt_logprobs is None) == (k is None)
+        times[name] = best  # the second round (warm) is kept
+    plain, scored = times["plain"], times["prompt_logprobs=1"]
+    print(f"prefill of {num_tokens} tokens ({model}, fp32, {threads} threads, budget "
+          f"{llm.engine.config.max_num_batched_tokens}): plain {plain:.3f} s, with prompt log-probs {scored:.3f} s "
+          f"({scored / plain:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lm-eval-python", required=True, help="python of the virtual environment holding lm-eval")
+    ap.add_argument("--lm-eval-python", help="python of the virtual environment holding lm-eval")
     ap.add_argument("--model", default=None, help="HF folder (default: zeal's SmolLM2-135M-Instruct folder)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill-cost", type=int, default=0, metavar="N", help="time an N-token prefill instead")
     args = ap.parse_args()
     root = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root))
     if args.model is None:
-        sys.path.insert(0, str(root))
         from zeal.models.hf import default_model_path
 
         args.model = str(default_model_path())
+    if args.prefill_cost:
+        return prefill_cost(args.model, args.prefill_cost, args.threads)
+    if args.lm_eval_python is None:
+        ap.error("--lm-eval-python is required (or --prefill-cost N)")
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(root), TOKENIZERS_PARALLELISM="false")
     items = build_items()
