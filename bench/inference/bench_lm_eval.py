@@ -8,7 +8,7 @@ the log-likelihoods lm-eval logged (``--log_samples``).
 
 lm-eval lives in its own virtual environment (it is no dependency of zeal):
 
-    python -m venv /path/lmeval && /path/lmeval/bin/pip install "lm-eval==0.4.13" "torch==2.13.0"
+    python -m venv /path/lmeval && /path/lmeval/bin/pip install "lm-eval[api]==0.4.13" "torch==2.13.0"
     python bench/inference/bench_lm_eval.py --lm-eval-python /path/lmeval/bin/python [--model FOLDER]
 
 ``--prefill-cost N`` instead times the prefill of an N-token prompt in zeal's engine with and
