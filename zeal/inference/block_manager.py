@@ -75,8 +75,10 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's prefix. At least one token is left
-        to compute, so that the pass that finishes the prompt has logits to sample."""
-        if not self.enable_prefix_caching:
+        to compute, so that the pass that finishes the prompt has logits to sample. None for a
+        sequence whose prompt log-probs are still to score: they need every position's logits,
+        which a cached block does not keep (its blocks are still registered for later requests)."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hashes = self._chain(seq.tokens, max_blocks, self.seq_hashes.get(seq.seq_id, []))

@@ -24,7 +24,7 @@ from zeal.inference.block_manager import BlockManager
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
 from zeal.inference.outputs import CompletionOutput, RequestOutput, StepStats
-from zeal.inference.sampler import SampleResult, sample
+from zeal.inference.sampler import SampleResult, sample, score_tokens
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
@@ -47,6 +47,7 @@ class _Request:
     error: str | None = None
     error_type: str = "invalid_request_error"
     group: str = ""
+    prompt_logprobs_sent: bool = False
 
 
 class LLMEngine:
@@ -255,6 +256,8 @@ class LLMEngine:
             try:
                 if req.error is None:
                     self.bm.commit(c.seq)
+                if c.num_prompt_rows and req.error is None:
+                    self._score_prompt(c, logits[num_sampled : num_sampled + c.num_prompt_rows])
             except Exception as e:  # noqa: BLE001 - this request's failure, not the batch's
                 self._fail(req, e, touched)
             if c.sample and req.error is None:
@@ -262,7 +265,7 @@ class LLMEngine:
                     spec.append((c.seq, num_sampled, list(c.seq.draft_ids)))
                 else:
                     to_sample.append(c.seq)
-                    rows.append(num_sampled)
+                    rows.append(num_sampled + c.num_prompt_rows)
             c.seq.draft_ids = []
             num_sampled += c.num_rows
         if any(s.matcher is not None for s in to_sample):
@@ -357,7 +360,7 @@ class LLMEngine:
                 r += c.num_rows
             kept.update(id(c) for c in chunks)
         sched.chunks = [c for c in sched.chunks if id(c) in kept]
-        sampled_rows = [rows[id(c)] for c in sched.chunks if c.sample]
+        sampled_rows = [rows[id(c)] for c in sched.chunks if c.num_rows]
         return torch.cat(sampled_rows) if sampled_rows else torch.empty(0, self.vocab_size)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], touched: dict[str, _Request]) -> list:
@@ -425,12 +428,23 @@ class LLMEngine:
                 self._fail(req, e, touched)
         return added
 
+    def _score_prompt(self, c: ScheduledChunk, rows: torch.Tensor) -> None:
+        """Prompt log-probs from a prefill chunk's rows: row ``i`` (position ``prompt_row_start + i``)
+        scores the prompt token after it."""
+        seq, lo = c.seq, c.prompt_row_start
+        if lo != len(seq.prompt_logprobs):
+            raise RuntimeError(f"prompt log-probs out of order: rows from position {lo}, "
+                               f"{len(seq.prompt_logprobs)} scored")
+        targets = seq.prompt_ids[lo + 1 : lo + 1 + c.num_prompt_rows]
+        seq.prompt_logprobs.extend(score_tokens(rows, targets, seq.params.prompt_logprobs or 0))
+
     def _fork(self, req: _Request, seq: Sequence, logits_row: torch.Tensor, now: float) -> None:
         """``n > 1``: the siblings of ``seq`` share its prompt blocks and draw their own first token."""
         seq.pending_fork = False
         for i in range(1, seq.params.n):
             child = self._new_seq(req, i)
             child.output_ids = list(seq.output_ids)
+            child.prompt_logprobs = seq.prompt_logprobs  # scored once, for the request
             child.matcher = seq.matcher.deep_copy() if seq.matcher is not None else None
             self.bm.fork(seq, child)
             self.scheduler.add_running(child)
@@ -470,6 +484,18 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
 
+    @staticmethod
+    def _prompt_logprobs(req: _Request, finished: bool) -> list[dict | None] | None:
+        """The prompt's log-probs (None first: the first token has none) in the first output
+        after they are all scored and in the last one; None otherwise or when not asked."""
+        seq = req.seqs[0]
+        if req.params.prompt_logprobs is None or seq.needs_prompt_logits:
+            return None
+        if req.prompt_logprobs_sent and not finished:
+            return None
+        req.prompt_logprobs_sent = True
+        return [None, *seq.prompt_logprobs]
+
     def _output(self, req: _Request) -> RequestOutput:
         outs = []
         hold = max((len(s) for s in req.params.stop), default=1) - 1
@@ -488,7 +514,8 @@ class LLMEngine:
         finished = req.error is not None or (
             len(req.seqs) == req.params.n and all(s.finished for s in req.seqs))
         out = RequestOutput(req.request_id, req.prompt_ids, outs, finished, req.error, req.error_type,
-                            req.arrival_time, req.seqs[0].first_token_time)
+                            req.arrival_time, req.seqs[0].first_token_time,
+                            prompt_logprobs=self._prompt_logprobs(req, finished))
         if finished:
             out.finish_time = time.monotonic()
             self.requests.pop(req.request_id, None)

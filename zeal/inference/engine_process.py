@@ -59,6 +59,9 @@ def output_from_dict(d: dict) -> RequestOutput:
             c["logprobs"] = [{**lp, "top_logprobs": {int(k): v for k, v in lp["top_logprobs"].items()}}
                              for lp in c["logprobs"]]
         outs.append(CompletionOutput(**c))
+    if d.get("prompt_logprobs"):
+        d["prompt_logprobs"] = [lp and {**lp, "top_logprobs": {int(k): v for k, v in lp["top_logprobs"].items()}}
+                                for lp in d["prompt_logprobs"]]
     return RequestOutput(**{**d, "outputs": outs})
 
 

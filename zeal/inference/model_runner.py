@@ -169,6 +169,9 @@ class ModelRunner:
             p.pos.extend(range(start, start + n))
             table = seq.block_table
             p.slots.extend(table[q // bs] * bs + q % bs for q in range(start, start + n))
+            if c.num_prompt_rows:  # prompt log-probs: the rows scoring the prompt's next tokens
+                first = row0 + c.prompt_row_start - start
+                p.sample_rows.extend(range(first, first + c.num_prompt_rows))
             if c.num_draft:  # speculative: a row per fed token, to verify each draft
                 p.sample_rows.extend(range(row0, row0 + n))
             elif c.sample:

@@ -32,6 +32,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), given in
+    # the first output after the prefill and in the last one (None in the others)
+    prompt_logprobs: list[dict | None] | None = None
 
     @property
     def text(self) -> str:

@@ -101,11 +101,15 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``. ``max_tokens: 0`` is accepted with ``echo`` (the prompt is
+    scored, nothing generated: what evaluation harnesses send); ``suffix`` is refused."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+    stream_options: StreamOptions | None = None
 
 
 class TextPart(BaseModel):
@@ -148,7 +152,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    """``stream_options`` of a chat request."""
+    """``stream_options`` of a streamed request (both routes)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False

@@ -83,6 +83,20 @@ def _logprob_info(logits: torch.Tensor, token: int, k: int) -> SampleResult:
     return SampleResult(token, float(lp[token]), top)
 
 
+def score_tokens(logits: torch.Tensor, targets: list[int], k: int) -> list[dict]:
+    """Log-probability entries of ``targets[i]`` under row ``i`` of ``logits (S, V)`` (the
+    model's distribution, upcast to fp32): ``{"token", "logprob", "top_logprobs"}`` with the
+    ``k`` most likely tokens, the shape :class:`SampleResult` gives generated tokens."""
+    lp = torch.log_softmax(logits.float(), -1)
+    idx = torch.tensor(targets, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, idx[:, None])[:, 0].tolist()
+    tops: list[dict[int, float]] = [{} for _ in targets]
+    if k:
+        vals, ids = torch.topk(lp, k, dim=-1)
+        tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [{"token": t, "logprob": c, "top_logprobs": top} for t, c, top in zip(targets, chosen, tops)]
+
+
 def sample(
     logits: torch.Tensor,
     histories: list[tuple[list[int], list[int]]],

@@ -21,7 +21,9 @@ class SamplingParams:
     Penalties follow OpenAI (presence/frequency, over generated tokens) and Hugging Face
     (repetition, over prompt and output). ``seed`` makes sampling reproducible per
     request (choice ``i`` of ``n`` uses ``seed + i``). ``logprobs=k`` returns the chosen
-    token's log-probability and the ``k`` most likely alternatives at each step.
+    token's log-probability and the ``k`` most likely alternatives at each step;
+    ``prompt_logprobs=k`` does the same for every prompt token after the first (scored by
+    the prefill pass itself: what ``echo`` with ``logprobs`` returns).
     ``structured_outputs`` (a :class:`StructuredOutputsParams` or its fields as a dict)
     constrains every draw to a JSON schema, any JSON object, a regex or a grammar.
     """
@@ -40,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -65,6 +68,8 @@ class SamplingParams:
              f"seed + n - 1 must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (choice i uses seed + i), got "
              f"seed={self.seed}, n={self.n}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
         ]
         for ok, msg in checks:

@@ -220,7 +220,9 @@ class Scheduler:
 
     def _schedule_prompt(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         n = min(seq.num_uncomputed, budget)
-        out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, n == seq.num_uncomputed))
+        lo, rows = seq.prompt_rows(seq.num_computed, n)
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed, n, n == seq.num_uncomputed, prompt_row_start=lo,
+                                         num_prompt_rows=rows))
         return n
 
 

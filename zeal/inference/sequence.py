@@ -42,6 +42,9 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[dict] = field(default_factory=list)
+    # params.prompt_logprobs: the entry of prompt token j (j >= 1) at index j - 1, scored by the
+    # logits of position j - 1 in the prefill passes (so its length is the next position to score)
+    prompt_logprobs: list[dict] = field(default_factory=list)
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     pending_fork: bool = False  # n > 1: fork the siblings at the first sample
@@ -71,6 +74,22 @@ class Sequence:
         return self.num_tokens - self.num_computed
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt log-probs were asked and some are not scored yet: the prefill passes must
+        return a row of logits per prompt position (and no prefix-cache hit may skip one)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    def prompt_rows(self, start: int, n: int) -> tuple[int, int]:
+        """``(first position, count)`` of the positions in ``[start, start + n)`` whose logits
+        score a prompt token not scored yet (count 0: none)."""
+        if not self.needs_prompt_logits:
+            return start, 0
+        lo = len(self.prompt_logprobs)
+        if lo < start:  # a position was skipped: its token could never be scored
+            raise RuntimeError(f"sequence {self.seq_id}: prompt position {lo} was not computed in a pass")
+        return lo, max(0, min(start + n, len(self.prompt_ids) - 1) - lo)
+
+    @property
     def is_decoding(self) -> bool:
         """Past its prompt: only the last sampled token is left to feed."""
         return self.num_uncomputed == 1 and len(self.output_ids) > 0
@@ -85,18 +104,22 @@ class ScheduledChunk:
     """``num_tokens`` tokens of ``seq`` starting at ``seq.num_computed`` go into this pass;
     ``sample`` is true when the chunk ends the known tokens (a token is then drawn).
     ``num_draft``: the last of the chunk's tokens are speculative drafts (``seq.draft_ids``),
-    and the pass returns a row of logits for every token of the chunk."""
+    and the pass returns a row of logits for every token of the chunk.
+    ``num_prompt_rows``: the pass also returns the logits of the positions ``prompt_row_start``
+    onwards, which score the prompt's next tokens (prompt log-probs); they come first."""
 
     seq: Sequence
     start: int
     num_tokens: int
     sample: bool
     num_draft: int = 0
+    prompt_row_start: int = 0
+    num_prompt_rows: int = 0
 
     @property
     def num_rows(self) -> int:
         """Rows of logits the pass returns for this chunk."""
-        return (1 + self.num_draft) if self.sample else 0
+        return self.num_prompt_rows + ((1 + self.num_draft) if self.sample else 0)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zeal.config.inference import ServerLimits
 from zeal.inference.async_engine import AsyncEngine, QueueFullError
+from zeal.inference.completion_choices import CompletionChoices
 from zeal.inference.conn_guard import RequestLimit
 from zeal.inference.engine import LLMEngine
 from zeal.inference.outputs import CompletionOutput, RequestOutput
@@ -328,10 +329,23 @@ async def health(state: AppState, request: Request) -> dict:
     return {"status": "ok"}
 
 
+def _model_card(state: AppState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "zeal",
+            "max_model_len": state.engine.max_seq_tokens}
+
+
 async def models(state: AppState, request: Request) -> dict:
     """``GET /v1/models``: the one model served."""
-    return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
-                                       "owned_by": "zeal", "max_model_len": state.engine.max_seq_tokens}]}
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+async def model(state: AppState, request: Request) -> dict:
+    """``GET /v1/models/{model}``: the served model's card (the SDK's ``models.retrieve``); 404 for another."""
+    name = request.path_params["model"]
+    if name != state.model_name:
+        raise APIError(404, f"model {name!r} does not exist (serving {state.model_name!r})", param="model",
+                       code="model_not_found")
+    return _model_card(state)
 
 
 async def metrics(state: AppState, request: Request) -> PlainTextResponse:
@@ -369,46 +383,49 @@ def _completion_prompts(state: AppState, req: CompletionRequest) -> tuple[list, 
     return prompts_in, [tok.encode(x) if isinstance(x, str) else list(x) for x in prompts_in]
 
 
-def _completion_logprobs(state: AppState, c: CompletionOutput) -> dict | None:
-    if c.logprobs is None:
-        return None
-    ts = state.token_str
-    return {"tokens": [ts(x["token"]) for x in c.logprobs],
-            "token_logprobs": [x["logprob"] for x in c.logprobs],
-            "top_logprobs": [{ts(t): v for t, v in x["top_logprobs"].items()} for x in c.logprobs],
-            "text_offset": []}
-
-
 async def completions(state: AppState, request: Request) -> Response | dict:
-    """``POST /v1/completions``: one or more prompts, ``n`` choices each, streamed or not."""
+    """``POST /v1/completions``: one or more prompts, ``n`` choices each, streamed or not.
+    ``echo`` with ``logprobs`` scores the prompt tokens too (``max_tokens: 0``: only them)."""
     req: CompletionRequest = await parse_body(state, request, CompletionRequest)
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt is scored, nothing generated)",
+                       param="max_tokens")
+    echo_only = req.max_tokens == 0
     prompts_in, prompts = _completion_prompts(state, req)
-    max_tokens = min(check_length(state.engine, x, req.max_tokens, 16) for x in prompts)
+    max_tokens = min(check_length(state.engine, x, 1 if echo_only else req.max_tokens, 16) for x in prompts)
     check_budget(state.limits, [len(x) for x in prompts], req.n, max_tokens)
     params = _sampling(req, max_tokens, req.logprobs)
-    cid, n, name = f"cmpl-{uuid.uuid4().hex}", req.n, state.model_name
+    if req.echo and req.logprobs is not None:
+        params.prompt_logprobs = req.logprobs
+    cid, name = f"cmpl-{uuid.uuid4().hex}", state.model_name
+    made = CompletionChoices(state.engine.tokenizer, state.token_str, req, prompts_in, prompts, echo_only)
     agen = run_all(state.aengine, prompts, params)
+    ptoks = sum(len(x) for x in prompts)
+
+    def usage() -> dict:
+        ct = made.num_completion_tokens
+        return {"prompt_tokens": ptoks, "completion_tokens": ct, "total_tokens": ptoks + ct}
+
     if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        done: set[int] = set()
+
         def chunks(i: int, out: RequestOutput) -> Iterator[dict]:
-            for c in out.outputs:
-                if c.delta_text or c.finish_reason or c.delta_token_ids:
-                    yield {"id": cid, "object": "text_completion", "created": int(time.time()), "model": name,
-                           "choices": [{"index": i * n + c.index, "text": c.delta_text, "logprobs": None,
-                                        "finish_reason": c.finish_reason}]}
+            base = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": name}
+            for choice in made.deltas(i, out):
+                yield base | {"choices": [choice]} | ({"usage": None} if include_usage else {})
+            if out.finished:
+                done.add(i)
+                if include_usage and len(done) == len(prompts):
+                    yield base | {"choices": [], "usage": usage()}
 
         return await stream_response(agen, chunks)
     final = await collect_or_error(agen, request)
-    choices, ctoks = [], 0
-    for i, prompt_in in enumerate(prompts_in):
-        echo = prompt_in if req.echo and isinstance(prompt_in, str) else ""
-        for c in final[i].outputs:
-            ctoks += len(c.token_ids)
-            choices.append({"index": i * n + c.index, "text": echo + c.text,
-                            "logprobs": _completion_logprobs(state, c), "finish_reason": c.finish_reason})
-    ptoks = sum(len(x) for x in prompts)
+    choices = [ch for i in range(len(prompts)) for ch in made.whole(i, final[i])]
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": name,
-            "choices": choices, "usage": {"prompt_tokens": ptoks, "completion_tokens": ctoks,
-                                          "total_tokens": ptoks + ctoks}}
+            "choices": choices, "usage": usage()}
 
 
 def _chat_logprobs(state: AppState, c: CompletionOutput, last: int | None = None) -> dict | None:
@@ -436,8 +453,8 @@ def _chat_message(c: CompletionOutput, funcs: list[dict] | None) -> tuple[dict, 
     answer is a call to one of ``funcs``, else the text."""
     calls = parse_tool_calls(c.text, funcs) if funcs else None
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": c.text}, c.finish_reason
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
+    return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
 
 def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
@@ -448,6 +465,8 @@ def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, inclu
 
     def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
+        if include_usage:  # OpenAI: null on every chunk but the last
+            base["usage"] = None
         for c in out.outputs:
             delta = {}
             if c.index not in started:
@@ -537,6 +556,7 @@ BODIES: dict[str, type[BaseModel]] = {"/v1/completions": CompletionRequest,
 ROUTES: list[tuple[str, str, Callable[[AppState, Request], Awaitable[object]]]] = [
     ("/health", "GET", health),
     ("/v1/models", "GET", models),
+    ("/v1/models/{model:path}", "GET", model),
     ("/metrics", "GET", metrics),
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
