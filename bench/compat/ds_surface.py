@@ -69,7 +69,9 @@ def names_from_sdist(sdist: str) -> dict:
 
 
 def classify(obj: object, name: str) -> str:
-    """implemented / refused / missing for ``getattr(obj, name)``."""
+    """implemented / refused / missing for ``getattr(obj, name)`` (a module's names; the
+    engine's are classified by ``DeepSpeedEngine.surface``, which also knows the names
+    it forwards to zeal's engine per instance)."""
     from zeal.deepspeed.refusals import Refused
 
     try:
@@ -91,7 +93,7 @@ def count(names: dict) -> dict:
                                ("engine_from_nn_module", engine_cls, names["engine_from_nn_module"])):
         table: dict[str, list[str]] = {"implemented": [], "refused": [], "missing": []}
         for n in keys:
-            table[classify(obj, n)].append(n)
+            table[obj.surface(n) if obj is engine_cls else classify(obj, n)].append(n)
         out[section] = table
     return out
 

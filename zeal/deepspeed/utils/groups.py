@@ -1,6 +1,6 @@
 """``deepspeed.utils.groups``: the data / model / expert parallel groups of the job.
 
-Answers from the most recently built live zeal engine's mesh (:mod:`zeal.dist.mesh`);
+Answers from the mesh of the engine ``deepspeed.initialize`` built last (while it lives) (:mod:`zeal.dist.mesh`);
 before any engine exists, from torch.distributed's world (everything data parallel).
 Group-valued functions return torch.distributed process groups (None: the world, or a
 group of one at world size 1)."""
@@ -11,10 +11,14 @@ from typing import Any
 
 
 def _mesh() -> Any:
+    from zeal.deepspeed import engine as facade
     from zeal.train.engine import _LIVE
 
+    last = facade._last() if facade._last is not None else None
+    if last is not None and getattr(last, "_p", None) is not None:
+        return last.mesh
     engines = [e for e in list(_LIVE) if getattr(e, "_p", None) is not None]
-    return engines[-1].mesh if engines else None
+    return engines[0].mesh if engines else None
 
 
 def _world() -> tuple[int, int]:
