@@ -62,7 +62,7 @@ def _api_rank(rank: int, world: int) -> dict:
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "steps_per_print": 1000,
            "zero_optimization": {"stage": 2, "reduce_bucket_size": 12345}}
     engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    out.update(is_module=isinstance(engine, nn.Module), names=[n for n, _ in engine.named_parameters()],
+    out.update(is_module=isinstance(engine, nn.Module) and not isinstance(engine, deepspeed.PipelineEngine), names=[n for n, _ in engine.named_parameters()],
                n_params=sum(p.numel() for p in engine.parameters()), buffers=[n for n, _ in engine.named_buffers()],
                bf16=engine.bfloat16_enabled(), fp16=engine.fp16_enabled(), dp=engine.dp_world_size,
                mp=engine.mp_world_size, clip=engine.gradient_clipping(), stage=engine.zero_optimization_stage(),
@@ -109,7 +109,7 @@ def _api_rank(rank: int, world: int) -> dict:
     out["refusals"] = refusals
     out["hasattr_no_sync"] = hasattr(engine, "no_sync")
     try:
-        engine.not_a_name
+        _ = engine.not_a_name
     except AttributeError as e:
         out["plain_attr_error"] = type(e).__name__ if not isinstance(e, NotImplementedError) else "refused"
     engine.destroy()
@@ -180,7 +180,7 @@ def _pipe_rank(rank: int, world: int, steps: int) -> dict:
     losses = [float(engine.train_batch(iter(_batches(s)))) for s in range(steps)]
     ev = float(engine.eval_batch(iter(_batches(99))))
     no_iter = float(engine.train_batch())  # from the training_data loader
-    out = {"losses": losses, "eval": ev, "no_iter": no_iter, "stages": engine.num_stages, "stage": engine.stage_id,
+    out = {"losses": losses, "eval": ev, "no_iter": no_iter, "is_pipe": isinstance(engine, deepspeed.PipelineEngine), "stages": engine.num_stages, "stage": engine.stage_id,
            "first_layer": type(engine.module.layers[4]).__name__, "global_steps": engine.global_steps}
     engine.destroy()
     return out
@@ -205,7 +205,7 @@ def test_pipeline_module_without_a_pipeline_section_trains_as_a_pipeline(pool):
         ref.eval()
         expect_eval = sum(nn.functional.cross_entropy(ref(x), y).item() for x, y in _batches(99)) / 2
     for rank, r in enumerate(results):
-        assert r["stages"] == 2 and r["stage"] == rank and r["global_steps"] == steps + 1
+        assert r["stages"] == 2 and r["stage"] == rank and r["global_steps"] == steps + 1 and r["is_pipe"]
         assert r["losses"] == pytest.approx(expect, rel=1e-5) and r["eval"] == pytest.approx(expect_eval, rel=1e-5)
         assert r["no_iter"] == r["no_iter"] and r["no_iter"] > 0
     assert results[1]["first_layer"] == "ReLU"  # the stage that starts with nn.ReLU(inplace=True) ran

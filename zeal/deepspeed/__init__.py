@@ -30,7 +30,7 @@ from typing import Any
 from zeal.deepspeed import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.comm.comm import init_distributed
-from zeal.deepspeed.engine import DeepSpeedEngine
+from zeal.deepspeed.engine import DeepSpeedEngine, PipelineEngine
 from zeal.deepspeed.pipe import PipelineModule
 from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
 from zeal.deepspeed.utils import OnDevice, log_dist, logger
@@ -43,7 +43,6 @@ version = __version__
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 git_hash = git_branch = __git_hash__ = __git_branch__ = None
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
-PipelineEngine = DeepSpeedEngine  # zeal's facade serves both (train_batch on a pipeline)
 dist = comm
 
 _REASONS = {
@@ -143,7 +142,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     engine = zeal.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                              training_data=training_data, model_parameters=model_parameters, collate_fn=collate_fn,
                              dist_init_required=dist_init_required)
-    ds = DeepSpeedEngine(engine)
+    ds = (PipelineEngine if hasattr(engine, "train_batch") else DeepSpeedEngine)(engine)
     return ds, engine.optimizer, engine.dataloader, engine.lr_scheduler
 
 

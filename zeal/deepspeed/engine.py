@@ -488,3 +488,17 @@ def _refusal(name: str) -> AttributeError:
 
 class _NotDeepSpeed(AttributeError):
     """A name neither zeal nor DeepSpeed has: a plain AttributeError."""
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """DeepSpeed's ``PipelineEngine``: what ``deepspeed.initialize`` returns when the model
+    is a ``PipelineModule`` (or the config sets ``pipeline_parallel.size > 1``), so a
+    script's ``isinstance(engine, deepspeed.PipelineEngine)`` test picks ``train_batch``."""
+
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the first pipeline stage (it reads the inputs)."""
+        return self.engine.is_first_stage()
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage (it computes the loss)."""
+        return self.engine.is_last_stage()

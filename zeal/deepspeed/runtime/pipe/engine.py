@@ -1,6 +1,5 @@
-"""``deepspeed.runtime.pipe.engine``: ``PipelineEngine`` (zeal's stage engine behind the
-DeepSpeed facade; ``deepspeed.initialize`` returns it for a ``PipelineModule``)."""
+"""``deepspeed.runtime.pipe.engine``: ``PipelineEngine`` (see :mod:`zeal.deepspeed.engine`)."""
 
-from zeal.deepspeed.engine import DeepSpeedEngine as PipelineEngine
+from zeal.deepspeed.engine import PipelineEngine
 
 __all__ = ["PipelineEngine"]
