@@ -54,7 +54,8 @@ def test_initialize_takes_param_groups_and_returns_the_4_tuple():
     groups = [{"params": [model.fc1.weight, model.fc2.weight], "weight_decay": 0.1},
               {"params": [model.fc1.bias, model.fc2.bias], "weight_decay": 0.0}]
     engine, opt, loader, sched = deepspeed.initialize(model=model, model_parameters=groups, config={
-        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+        dist_init_required=False)  # no process group in the test process
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert loader is None and sched is None and engine.gradient_accumulation_steps() == 1
     engine.close()

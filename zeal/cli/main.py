@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("zeal.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "estimate": ("zeal.cli.estimate", "per-rank memory for every ZeRO stage and offload; pick one for a budget"),
     "launch": ("zeal.cli.launch", "run a script on N processes (and N nodes) through torchrun"),
+    "deepspeed": ("zeal.cli.deepspeed", "run an unchanged DeepSpeed script on zeal (DeepSpeed's launcher flags)"),
     "checkpoint": ("zeal.cli.checkpoint", "inspect a checkpoint or export it to a Hugging Face folder"),
     "compress": ("zeal.cli.compress", "N:M sparsity (magnitude, Wanda, ADMM) and int8/int4 weights, exported"),
     "bench": ("zeal.cli.bench", "measure step time and peak memory per ZeRO stage beside the estimate"),

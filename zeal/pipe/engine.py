@@ -177,7 +177,9 @@ class PipelineEngine(TrainEngine):
             if torch.is_grad_enabled() and x.is_floating_point():
                 x.requires_grad_(True)
         t0 = time.perf_counter()
-        out = self.stage.forwards[c](x)
+        # The stage runs on a copy of a received activation (as DeepSpeed's): x stays the leaf
+        # whose .grad goes back, and a first layer may work in place (nn.ReLU(inplace=True)).
+        out = self.stage.forwards[c](x.clone() if x.requires_grad else x)
         if self.stage.ends(c):
             out = self.stage.loss(out, self._to_device(batches[m][1]))
         self.busy_time += time.perf_counter() - t0

@@ -1,1 +1,3 @@
-"""``deepspeed.runtime`` on zeal: only the parts scripts import (``data_pipeline``)."""
+"""``deepspeed.runtime`` on zeal: the modules scripts import (``utils``, ``lr_schedules``,
+``zero``, ``pipe``, ``engine``, ``activation_checkpointing``, ``dataloader``,
+``data_pipeline``)."""

@@ -1,0 +1,126 @@
+"""How much of DeepSpeed's public surface zeal's ``deepspeed`` has: implemented / refused / missing.
+
+DeepSpeed's names are in ``zeal/deepspeed/ds_0_19_8_names.json``: the public names of
+``dir(deepspeed)`` and of ``dir(deepspeed.DeepSpeedEngine)`` for DeepSpeed 0.19.8, read
+from its source (``--from-sdist deepspeed-0.19.8.tar.gz`` regenerates the file: ``pip
+download --no-deps deepspeed==0.19.8``; nothing is installed or imported). The engine's
+names are DeepSpeed's own methods and properties plus those it inherits from
+``torch.nn.Module``; the top-level names are what ``deepspeed/__init__.py`` defines and
+imports from DeepSpeed, and its subpackages.
+
+For each name, zeal's side (``zeal.deepspeed`` / ``zeal.deepspeed.DeepSpeedEngine``):
+**implemented** (a real attribute), **refused** (it raises one line naming the DeepSpeed
+API and what to use in zeal instead) or **missing** (it raises a generic one-line
+"not implemented by zeal", with no alternative named). Run:
+``python bench/compat/ds_surface.py [--list]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+NAMES = Path(__file__).resolve().parents[2] / "zeal" / "deepspeed" / "ds_0_19_8_names.json"
+
+
+def _public(name: str) -> bool:
+    return not name.startswith("_")
+
+
+def names_from_sdist(sdist: str) -> dict:
+    """DeepSpeed's top-level and engine public names, read from its source tarball."""
+    import torch
+
+    with tarfile.open(sdist) as tar:
+        files = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if m.isfile() and "/" in m.name}
+
+        def src(path: str) -> str:
+            return tar.extractfile(files[path]).read().decode()
+
+        top: set[str] = set()
+        tree = ast.parse(src("deepspeed/__init__.py"))
+        for node in tree.body:  # module level only: what dir(deepspeed) shows after import
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                top.update(a.asname or a.name for a in node.names)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                top.add(node.name)
+            elif isinstance(node, ast.Assign):
+                top.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        subpackages = {p.split("/")[1] for p in files if p.startswith("deepspeed/") and p.count("/") == 2
+                       and p.endswith("/__init__.py")}
+        top |= subpackages
+        engine: set[str] = set()
+        for node in ast.walk(ast.parse(src("deepspeed/runtime/engine.py"))):
+            if isinstance(node, ast.ClassDef) and node.name == "DeepSpeedEngine":
+                engine = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                engine |= {t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets
+                           if isinstance(t, ast.Name)}
+    module_names = {n for n in dir(torch.nn.Module) if _public(n)}
+    return {"deepspeed_version": "0.19.8",
+            "source": "AST of deepspeed/__init__.py and DeepSpeedEngine in deepspeed/runtime/engine.py "
+                      "(DeepSpeed 0.19.8 sdist); engine names inherited from torch.nn.Module listed apart",
+            "top_level": sorted(n for n in top if _public(n)),
+            "engine": sorted(n for n in engine if _public(n)),
+            "engine_from_nn_module": sorted(module_names)}
+
+
+def classify(obj: object, name: str) -> str:
+    """implemented / refused / missing for ``getattr(obj, name)`` (a module's names; the
+    engine's are classified by ``DeepSpeedEngine.surface``, which also knows the names
+    it forwards to zeal's engine per instance)."""
+    from zeal.deepspeed.refusals import Refused
+
+    try:
+        getattr(obj, name)
+    except Refused as e:
+        return "missing" if e.generic else "refused"
+    except Exception:  # noqa: BLE001 - anything else is not a working attribute
+        return "missing"
+    return "implemented"
+
+
+def count(names: dict) -> dict:
+    import zeal.deepspeed as ds
+
+    engine_cls = ds.DeepSpeedEngine
+    out: dict = {}
+    for section, obj, keys in (("top_level", ds, names["top_level"]),
+                               ("engine", engine_cls, names["engine"]),
+                               ("engine_from_nn_module", engine_cls, names["engine_from_nn_module"])):
+        table: dict[str, list[str]] = {"implemented": [], "refused": [], "missing": []}
+        for n in keys:
+            table[obj.surface(n) if obj is engine_cls else classify(obj, n)].append(n)
+        out[section] = table
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from-sdist", help="regenerate the names file from DeepSpeed's sdist")
+    ap.add_argument("--list", action="store_true", help="list the names in each class")
+    args = ap.parse_args(argv)
+    if args.from_sdist:
+        NAMES.write_text(json.dumps(names_from_sdist(args.from_sdist), indent=1) + "\n")
+        print(f"wrote {NAMES}")
+    names = json.loads(NAMES.read_text())
+    result = count(names)
+    print(f"DeepSpeed {names['deepspeed_version']} public names on zeal.deepspeed")
+    print(f"{'':24} {'total':>6} {'implemented':>12} {'refused':>8} {'missing':>8}")
+    for section, table in result.items():
+        total = sum(len(v) for v in table.values())
+        print(f"{section:24} {total:>6} {len(table['implemented']):>12} {len(table['refused']):>8} "
+              f"{len(table['missing']):>8}")
+    if args.list:
+        for section, table in result.items():
+            for kind, items in table.items():
+                print(f"\n{section} {kind} ({len(items)}): {' '.join(items)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.exit(main())
