@@ -19,6 +19,7 @@ def import_deepspeed():
         import zeal.deepspeed as deepspeed
     else:
         import deepspeed
+        import deepspeed.moe.utils  # noqa: F401  (a submodule scripts reach as an attribute)
     return deepspeed
 
 

@@ -17,14 +17,23 @@ deepspeed = import_deepspeed()
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, args) -> None:
         super().__init__()
+        self.moe = args.moe
         self.conv1 = nn.Conv2d(3, 6, 5)
         self.pool = nn.MaxPool2d(2, 2)
         self.conv2 = nn.Conv2d(6, 16, 5)
         self.fc1 = nn.Linear(16 * 5 * 5, 120)
         self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, 10)
+        if self.moe:  # as the example's --moe: experts replacing fc3, then a classifier
+            fc3 = nn.Linear(84, 84)
+            self.moe_layer_list = nn.ModuleList([
+                deepspeed.moe.layer.MoE(hidden_size=84, expert=fc3, num_experts=n, ep_size=args.ep_world_size,
+                                        use_residual=False, k=args.top_k, min_capacity=args.min_capacity,
+                                        noisy_gate_policy=None) for n in args.num_experts])
+            self.fc4 = nn.Linear(84, 10)
+        else:
+            self.fc3 = nn.Linear(84, 10)
 
     def forward(self, x):
         x = self.pool(F.relu(self.conv1(x)))
@@ -32,7 +41,17 @@ class Net(nn.Module):
         x = torch.flatten(x, 1)
         x = F.relu(self.fc1(x))
         x = F.relu(self.fc2(x))
+        if self.moe:
+            for layer in self.moe_layer_list:
+                x, _, _ = layer(x)
+            return self.fc4(x)
         return self.fc3(x)
+
+
+def create_moe_param_groups(model):
+    """The example's grouping: expert parameters in their own group."""
+    groups = {"params": [p for p in model.parameters()], "name": "parameters"}
+    return deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(groups)
 
 
 def ds_config(args) -> dict:
@@ -61,13 +80,19 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--moe", action="store_true")
+    p.add_argument("--num-experts", type=int, nargs="+", default=[2])
+    p.add_argument("--ep-world-size", type=int, default=1)
+    p.add_argument("--top-k", type=int, default=1)
+    p.add_argument("--min-capacity", type=int, default=0)
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(42)
-    net = Net()
+    net = Net(args)
     trainset = images(512)
-    engine, _, trainloader, _ = deepspeed.initialize(args=args, model=net, model_parameters=net.parameters(),
+    params = create_moe_param_groups(net) if args.moe else net.parameters()
+    engine, _, trainloader, _ = deepspeed.initialize(args=args, model=net, model_parameters=params,
                                                      training_data=trainset, config=ds_config(args))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     rec = Recorder(engine.global_rank)
