@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 
 import torch
 import torch.nn as nn
@@ -34,17 +35,23 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--zeal-pipeline-section", action="store_true",
+                   help="zeal side: add zeal's pipeline_parallel section and start stage 2 without an in-place "
+                        "layer (what zeal needs before num_stages alone sets the pipeline)")
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(5)
-    layers = [nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(inplace=True), nn.Linear(64, 64), nn.ReLU(),
-              nn.Linear(64, 4)]
+    zeal_key = args.zeal_pipeline_section and os.environ.get("COMPAT_SIDE") == "zeal"
+    layers = [nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(inplace=not args.zeal_pipeline_section),
+              nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)]
     net = pipe.PipelineModule(layers=layers, loss_fn=nn.CrossEntropyLoss(), num_stages=2,
                               partition_method="uniform")
     g = torch.Generator().manual_seed(6)
     data = Tensors(torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g))
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0}
+    if zeal_key:
+        config["pipeline_parallel"] = {"size": 2}
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=[q for q in net.parameters() if q.requires_grad],
                                            config=config)
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)

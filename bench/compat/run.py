@@ -60,15 +60,16 @@ def cases(steps: int) -> list[Case]:
     out.append(Case("bert-bf16-z1-offload", "bert_ds.py", "HF BERT MLM, bf16, ZeRO-1 + CPU Adam offload", 1, 1,
                     ["--stage", "1", "--offload", *s], BF16_TOL))
     out.append(Case("bert-bf16-z2-r2", "bert_ds.py", "HF BERT MLM, bf16, ZeRO-2", 2, 2, ["--stage", "2", *s], BF16_TOL))
-    for ranks in (1, 2):
-        for stage in (2, 3):
-            out.append(Case(f"chat-sft-z{stage}-r{ranks}", "chat_ds.py",
-                            "DS-Chat step 1: OPT SFT, client AdamW groups, HF cosine schedule", ranks, stage,
-                            ["--step", "sft", "--stage", str(stage), *s]))
+    for ranks, stage in ((1, 2), (2, 2), (2, 3)):
+        out.append(Case(f"chat-sft-z{stage}-r{ranks}", "chat_ds.py",
+                        "DS-Chat step 1: OPT SFT, client FusedAdam groups, HF cosine schedule", ranks, stage,
+                        ["--step", "sft", "--stage", str(stage), *s]))
     out.append(Case("chat-reward-z2-r2", "chat_ds.py", "DS-Chat step 2: OPT reward model, pairwise loss", 2, 2,
                     ["--step", "reward", "--stage", "2", *s]))
-    out.append(Case("pipe-2stages", "pipe_ds.py", "pipe.PipelineModule(num_stages=2), train_batch", 2, "pp2",
-                    [*s]))
+    out.append(Case("pipe-2stages", "pipe_ds.py", "pipe.PipelineModule(num_stages=2), in-place ReLU, train_batch",
+                    2, "pp2", [*s]))
+    out.append(Case("pipe-2stages-zealkey", "pipe_ds.py", "as above + zeal's pipeline_parallel section, no in-place",
+                    2, "pp2", ["--zeal-pipeline-section", *s]))
     return out
 
 
