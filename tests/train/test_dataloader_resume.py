@@ -52,7 +52,9 @@ def test_resume_replays_the_same_batches(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(after, straight[cut:])), cut
 
 
-def test_ranks_partition_each_epoch():
-    samplers = [ResumableDistributedSampler(10, 3, r, seed=1) for r in range(3)]
-    seen = [i for s in samplers for i in s]
-    assert len(seen) == 9 and len(set(seen)) == 9
+def test_ranks_draw_distributed_samplers_order():  # DeepSpeed's loader: DistributedSampler, padded
+    for drop_last in (False, True):
+        for r in range(3):
+            ours = list(ResumableDistributedSampler(10, 3, r, seed=1, batch_size=3, drop_last=drop_last))
+            torch_order = list(torch.utils.data.DistributedSampler(range(10), 3, r, seed=1))
+            assert ours == (torch_order[:3] if drop_last else torch_order)  # 4 each: one batch of 3

@@ -38,15 +38,15 @@ def test_bucketize_keeps_order_and_limit(sizes, limit):
         assert len(b) == 1 or sum(sizes[i] for i in b) <= limit
 
 
-def test_warmup_schedules():
+def test_warmup_schedules():  # the lr of the update after `step` steps (DeepSpeed: batch index step - 1)
     assert warmup_lr(0, 0.0, 1.0, 10, "linear") == 0.0
-    assert warmup_lr(5, 0.0, 1.0, 10, "linear") == 0.5
+    assert warmup_lr(6, 0.0, 1.0, 10, "linear") == 0.5
     assert warmup_lr(50, 0.0, 1.0, 10, "linear") == 1.0
-    assert math.isclose(warmup_lr(3, 0.0, 1.0, 10, "log"), math.log(4) / math.log(10))
-    assert warmup_decay_lr(10, 20, 0.0, 1.0, 10, "linear") == 1.0
-    assert warmup_decay_lr(15, 20, 0.0, 1.0, 10, "linear") == 0.5
-    assert warmup_decay_lr(25, 20, 0.0, 1.0, 10, "linear") == 0.0
-    assert math.isclose(warmup_cosine_ratio(10, 20, 0.0, 10, 0.0, "linear"), 1.0)
+    assert math.isclose(warmup_lr(4, 0.0, 1.0, 10, "log"), math.log(4) / math.log(10))
+    assert warmup_decay_lr(11, 20, 0.0, 1.0, 10, "linear") == 1.0
+    assert warmup_decay_lr(16, 20, 0.0, 1.0, 10, "linear") == 0.5
+    assert warmup_decay_lr(26, 20, 0.0, 1.0, 10, "linear") == 0.0
+    assert math.isclose(warmup_cosine_ratio(10, 20, 0.0, 10, 0.0, "linear"), 0.9)
     assert math.isclose(warmup_cosine_ratio(15, 20, 0.0, 10, 0.0, "linear"), 0.5)
     assert warmup_cosine_ratio(0, total_num_steps=2, warmup_num_steps=1) == 0.0  # no 0/0 for a 1-step warm-up
 
@@ -56,6 +56,8 @@ def test_scheduler_steps_the_optimizer():
     opt = torch.optim.SGD([p], lr=0.5)
     sch = build_scheduler("WarmupCosineLR", {"total_num_steps": 10, "warmup_num_steps": 2, "warmup_type": "linear"}, opt)
     assert sch.get_last_lr() == [0.0]
+    sch.step()
+    assert sch.get_last_lr() == [0.0]  # DeepSpeed: the first two updates start the warm-up
     sch.step()
     assert sch.get_last_lr() == [0.25]
     state = sch.state_dict()

@@ -74,7 +74,6 @@ NO_EFFECT: dict[str, str] = {
     "monitor_config": "not a DeepSpeed key either", "comms_logger": "see engine.comm_stats()",
     "comms_config": "not a DeepSpeed key either", "timers": "see engine.wall_clock_breakdown()",
     "train_micro_batch_size_per_gpu_auto": "not a DeepSpeed key either",
-    "dataloader_drop_last": "zeal's data loader always drops the last partial batch",
     "use_data_before_expert_parallelism_": "zeal's MoE layers route each rank's own tokens (zeal.moe)",
     "seq_parallel_communication_data_type": "zeal has no sequence parallelism",
     "compile": "torch.compile is the caller's choice (engine.module can be compiled)",
@@ -270,6 +269,9 @@ def _optimizer(cfg: dict[str, Any]) -> None:
         # DeepSpeed's "Adam" is decoupled-weight-decay Adam unless adam_w_mode is false.
         adam_w = params.get("adam_w_mode", True) if kind != "adamw" else True
         opt["type"] = "AdamW" if adam_w else "Adam"
+        if not params.get("torch_adam", False):
+            # DeepSpeed's FusedAdam / CPU Adam default to no weight decay (torch's AdamW: 0.01)
+            params.setdefault("weight_decay", 0.0)
 
 
 def resolve_auto(cfg: dict[str, Any], auto: AutoValues, notes: list[str]) -> None:

@@ -297,7 +297,10 @@ class Config(Section):
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, reduce, step and gather.")
     seed: int = Field(1234, ge=0, lt=SEED_LIMIT,
-                      description="Seed for data order and meta-device materialisation (0 <= seed < 2**32).")
+                      description="Seed for meta-device materialisation, and for the data order of "
+                                  "initialize(training_data=) when given (unset: 0, DeepSpeed's) (0 <= seed < 2**32).")
+    dataloader_drop_last: bool = Field(False, description="The loader of initialize(training_data=) leaves out "
+                                       "each rank's last partial micro-batch (DeepSpeed's key).")
     dist_backend: Literal["gloo", "nccl"] | None = Field(None, description="None = nccl on CUDA, gloo on CPU.")
     local_world_size: int | None = Field(None, ge=1, description="Ranks per node (default: torchrun's LOCAL_WORLD_SIZE).")
     comm_timeout_s: float | None = Field(

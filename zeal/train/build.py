@@ -132,10 +132,13 @@ def initialize(
     scheduler = _scheduler(cfg, lr_scheduler, zopt.optimizer)
     loader = None
     if training_data is not None:
+        # DeepSpeed's batches: DistributedSampler's order with its seed (0) unless the config sets one
         sampler = _curriculum_sampler(cfg, len(training_data), micro, mesh, accum) or ResumableDistributedSampler(
-            len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed, batch_size=micro)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler, drop_last=True,
-                                             collate_fn=collate_fn)
+            len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed if "seed" in cfg.model_fields_set else 0,
+            batch_size=micro, drop_last=cfg.dataloader_drop_last)
+        loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
+                                             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn)
+        loader.data_sampler = sampler  # DeepSpeed's name (scripts call data_sampler.set_epoch)
     mesh.stats.step.clear()
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
                         precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp)
