@@ -89,11 +89,39 @@ def run(args: argparse.Namespace) -> int:
     evals = blocks(tok.encode(eval_text, add_special_tokens=False), args.seq_len, args.eval_blocks)
     print(f"model {src}; calibration {calib.shape[0]}x{args.seq_len} tokens, fine-tuning {train.shape[0]}x"
           f"{args.seq_len}, evaluation {evals.shape[0]}x{args.seq_len}")
-    report = compress_model(model, calib, evals, job, train=train)
+    report = compress_model(model, calib, evals, job, train=train, log=lambda s: print(s, flush=True))
     write_folder(model, src, Path(args.out), report.targets, job, args.format)
     print(json.dumps({"ppl_before": round(report.ppl_before, 4), "ppl_after": round(report.ppl_after, 4),
                       "seconds": round(report.seconds, 1), "out": args.out}))
+    warning = blowup_warning(job, report.ppl_before, report.ppl_after)
+    if warning:
+        print(warning, flush=True)
     return 0
+
+
+BLOWUP = 3.0
+"""Perplexity after / before above which ``zeal compress`` warns and names a better method."""
+
+
+def blowup_warning(job, before: float, after: float) -> str | None:
+    """One warning line when compression multiplied the held-out perplexity by more than
+    ``BLOWUP``, naming what measured better on SmolLM2 (bench/compression/README.md:
+    Wanda and ADMM beat magnitude 3x at 2:4; masked fine-tuning recovers most of the rest;
+    int8 or a small group size for int4); None otherwise."""
+    if after <= BLOWUP * before:  # a NaN perplexity compares False: it warns
+        return None
+    if job.n is not None and job.method == "magnitude":
+        better = "--method wanda (seconds) or --method admm (minutes), both with --steps 32"
+    elif job.n is not None and job.steps == 0:
+        better = "--steps 32 of masked fine-tuning (--loss kd distils from the dense model)"
+    elif job.n is not None:
+        better = f"a milder pattern than {job.n}:{job.m} (e.g. 4:8) or more --steps with --loss kd"
+    elif job.bits == 4 and job.group_size is None:
+        better = "--group-size 32 (a scale per 32 weights) or --bits 8"
+    else:
+        better = "--bits 8 or more --steps of quantization-aware training"
+    return (f"warning: perplexity went from {before:.2f} to {after:.2f} ({after / before:.1f}x, over {BLOWUP:g}x): "
+            f"try {better}")
 
 
 def write_folder(model, src: Path, out: Path, targets: list[str], job, fmt: str) -> None:

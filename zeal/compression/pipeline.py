@@ -180,7 +180,7 @@ def _prune(model, targets, job, calib, steps, data, loss_fn, log):
     """Step 1: the masks (and, for ADMM, the steps it used and its residuals)."""
     if job.method == "admm" and job.admm_objective == "reconstruction":
         masks, history = reconstruction_admm(targets, lambda: perplexity(model, calib), job.n, job.m,
-                                             iters=job.admm_iters, log=log)
+                                             iters=job.admm_iters, model=model, log=log)
         return masks, 0, history
     norms = None
     if job.method == "wanda" or (job.method == "admm" and job.admm_metric == "activation"):
