@@ -45,6 +45,7 @@ def test_compress_admm_w4_writes_a_folder_that_reloads_sparse_and_quantized(tmp_
 def test_compress_flags_are_checked():
     assert main(["compress", "--out", "x"]) == 2
     assert main(["compress", "--sparsity", "5:4", "--out", "x"]) == 2
+    assert main(["compress", "--sparsity", "2:4", "--method", "admm", "--admm-iters", "0", "--out", "x"]) == 2
     with pytest.raises(SystemExit):  # argparse: not one of reconstruction, loss
         main(["compress", "--sparsity", "2:4", "--method", "admm", "--admm-objective", "nope", "--out", "x"])
 
