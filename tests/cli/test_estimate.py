@@ -246,11 +246,13 @@ def test_estimate_command(capsys, tmp_path):
                  "--checkpointing", "--budget", "24GB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert 6.7e9 < data["params"] < 6.8e9  # Llama-2-7B
-    # 2Ψ + 2Ψ/8 ≈ 15 GB of states fits with the optimizer on CPU, which ranks before stage 3, once the
-    # activations (10 GB at 2048 tokens without checkpointing) are checkpointed
-    assert data["recommended"] == {"train_micro_batch_size_per_gpu": 1,
-                                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    # 16Ψ/8 ≈ 13.5 GB of states: plain stage 3 fits 24 GB once the activations (10 GB at 2048 tokens
+    # without checkpointing) are checkpointed; stage 2 + CPU optimizer fits too, but has more moving parts
+    # (the optimizer steps on the CPU): stage 3 wins
+    assert data["recommended"] == {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
                                    "activation_checkpointing": {"number_checkpoints": 32}}
+    both = [p for p in data["plans"] if (p["stage"], p["offload"]) in ((2, "cpu_optimizer"), (3, "none"))]
+    assert len(both) == 2 and all(p["device"] <= 24e9 for p in both)  # both fit
     columns = {"activations", "activations_kept", "grad_buffers", "gathered", "step_temporaries", "baseline",
                "slack", "device", "checkpointing", "micro_batch"}
     assert all(columns <= set(p) for p in data["plans"]) and columns <= set(data["recommended_plan"])

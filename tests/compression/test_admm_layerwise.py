@@ -188,3 +188,32 @@ def test_sequential_calibrates_each_block_on_the_pruned_blocks_before_it():
         assert torch.equal(seq["layers"][i].weight, by_hand["layers"][i].weight)
     assert torch.equal(seq["layers"][0].weight, at_once["layers"][0].weight)
     assert not torch.equal(seq["layers"][1].weight, at_once["layers"][1].weight)  # dense vs pruned inputs
+
+
+@pytest.mark.timeout(60)
+def test_layer_replay_gives_the_masks_of_a_forward_per_block():
+    """With ``model`` given, the sequential pass runs the model once and then each layer on
+    the recorded inputs: the same masks and weights as a whole forward per block (the old
+    cost: one calibration forward per block), with the forward run once."""
+    torch.manual_seed(3)
+    model = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                              initializer_range=0.08))
+    data = torch.randint(0, 64, (6, 16), generator=torch.Generator().manual_seed(4))
+    replay, full = copy.deepcopy(model), copy.deepcopy(model)
+    calls, lines = [], []
+
+    def feed(net):
+        return lambda: calls.append([net(data[i:i + 2]) for i in range(0, 6, 2)])
+
+    m1, _ = reconstruction_admm(linear_targets(replay, exclude=("lm_head",)), feed(replay), 2, 4, iters=20,
+                                model=replay, log=lines.append)
+    assert len(calls) == 1
+    m2, _ = reconstruction_admm(linear_targets(full, exclude=("lm_head",)), feed(full), 2, 4, iters=20,
+                                log=lambda _: None)
+    assert len(calls) == 1 + 3
+    assert m1.keys() == m2.keys() and all(torch.equal(m1[k], m2[k]) for k in m1)
+    for (k, a), b in zip(replay.named_parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
+    progress = [s for s in lines if s.startswith("admm block")]
+    assert len(progress) == 3 and "3/3" in progress[-1] and "left" in progress[0]

@@ -97,3 +97,28 @@ def test_build_once_waits_for_the_lock_holder(tmp_path):
     other = tmp_path / "y.bin"
     build_once(other, lambda tmp: tmp.write_text("mine"))
     assert other.read_text() == "mine" and not (tmp_path / "y.bin.lock").exists()
+
+
+def test_generated_tables_are_left_out_of_the_stdlib_corpus(tmp_path, monkeypatch):
+    """Codec tables dominated what the default job's model learnt (its sample printed
+    `0x00c8f -> RIGHT ...`): a file whose code lines are mostly literal tables is left out."""
+    from zeal.data.corpus import MAX_TABLE_SHARE, table_line_share
+
+    monkeypatch.setenv("ZEAL_CACHE", str(tmp_path / "cache"))
+    table = "decoding_table = (\n" + "".join(f"    '\\x{i:02x}'     #  0x{i:02x} -> CHAR {i}\n"
+                                             for i in range(64)) + ")\nmap = {\n    0x0080: 0x00c7,  # C\n}\n"
+    code = '"""A docstring\nover lines."""\nimport os\n\n\ndef f(x):\n    """Doc."""\n    return os.path.join(x, "a")\n'
+    assert table_line_share(table) > 0.9 and table_line_share(code) == 0.0
+    assert table_line_share("x = (\n") == 1.0  # does not tokenize: left out
+    root = tmp_path / "lib"
+    (root / "encodings").mkdir(parents=True)
+    (root / "encodings" / "cp999.py").write_text(table)
+    (root / "mod.py").write_text(code)
+    corpus = stdlib_corpus(10**6, root=root)
+    assert corpus.names == ("mod.py",)
+    real = stdlib_corpus(4_000_000)
+    assert not [n for n in real.names if n.startswith("encodings/cp") or n == "html/entities.py"]
+    assert real.num_bytes > 3_900_000  # the cap is still filled, with code
+    assert all(table_line_share(d) <= MAX_TABLE_SHARE for d in real.documents[:40])
+    assert (tmp_path / "cache" / "corpus").is_dir()  # the shares are memoised in the cache
+    assert stdlib_corpus(4_000_000).sha256 == real.sha256

@@ -71,3 +71,22 @@ def test_llama_serving_forward_is_bit_identical_to_the_autograd_one(dtype):
     assert with_grad.requires_grad
     with torch.inference_mode():
         assert torch.equal(m(ids, positions=pos), with_grad.detach())
+
+
+def test_gguf_conversion_says_what_it_writes_where_and_how_big(tmp_path, monkeypatch):
+    """A first start converts the GGUF into a cached folder (33 s for the default model):
+    one line before (the source, where it goes, what is written), one after (the size)."""
+    import zeal.models.hf as hf
+
+    sd = {"model.embed_tokens.weight": torch.zeros(1000, 250)}  # 1 MB
+    meta = {"tokens": ["a", "b"], "token_type": [1, 1], "bos_token_id": 0, "eos_token_id": 1,
+            "add_bos_token": False, "chat_template": None}
+    monkeypatch.setattr(hf, "read_gguf", lambda _p: ({"tie_word_embeddings": True}, dict(sd), meta))
+    monkeypatch.setattr(hf, "gguf_tokenizer_json", lambda _m: "{}")
+    src = tmp_path / "tiny.Q4_1.gguf"
+    src.write_bytes(b"\0" * 2_000_000)
+    said = []
+    out = hf.convert_gguf(src, tmp_path / "cache" / "tiny", say=said.append)
+    assert (out / "model.safetensors").is_file() and len(said) == 2
+    assert "tiny.Q4_1.gguf (2 MB)" in said[0] and str(out) in said[0] and "once" in said[0]
+    assert said[1].startswith(f"wrote {out} (1 MB) in ")

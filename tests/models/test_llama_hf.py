@@ -78,3 +78,22 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
         GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2)).save_pretrained(
             tmp_path / "gpt2")
         Llama.from_hf_folder(tmp_path / "gpt2")
+
+
+def test_a_dense_models_config_json_has_no_moe_keys(tmp_path):
+    """transformers reads a stray ``top_k`` as a generation flag and warns: a dense export
+    carries only the keys its architecture has, and still round-trips."""
+    from zeal.models.hf import load_hf_model, save_hf_folder
+    from zeal.models.llama import _MOE_KEYS
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    out = save_hf_folder(Llama(cfg), tmp_path / "dense")
+    written = json.loads((out / "config.json").read_text())
+    assert not set(_MOE_KEYS) & set(written) and "qk_norm" not in written and "clip_qkv" not in written
+    assert "top_k" in _MOE_KEYS and "num_experts" in _MOE_KEYS
+    model, _ = load_hf_model(out)
+    assert model.config.num_experts == 0 and model.config.hidden_size == 32
+    moe = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_experts=4, top_k=2)
+    assert moe.to_hf()["num_experts"] == 4 and moe.to_hf()["top_k"] == 2  # an MoE keeps them

@@ -108,3 +108,15 @@ def test_config_split_and_hybrid_engine_keys():
         split_config({"hybrid_engine": {"inference_tp_size": 2}})
     with pytest.raises(ConfigError, match="rlhf.num_generation"):
         split_config({"rlhf": {"num_generation": 2}})
+
+
+def test_dpo_says_what_it_does_before_step_1(tmp_path, capsys):
+    """The phases before the first step line are announced (`zeal rlhf dpo` was silent ~30 s)."""
+    from zeal.rlhf import dpo
+
+    dpo(tiny(), pairs(8), cfg(1), out=str(tmp_path))
+    lines = [s for s in capsys.readouterr().out.splitlines() if s.startswith("[dpo]")]
+    ref = next(i for i, s in enumerate(lines) if "reference log-probs of the 8 chosen/rejected pairs" in s)
+    eng = next(i for i, s in enumerate(lines) if "building the training engine" in s and "ZeRO stage 0" in s)
+    step = next(i for i, s in enumerate(lines) if s.startswith("[dpo] step 1/1"))
+    assert ref < eng < step, lines

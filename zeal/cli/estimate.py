@@ -9,9 +9,10 @@ allocator slack (CPU runs), and the peak they add up to.
 
 With ``--budget`` the command searches stage × offload × activation checkpointing ×
 micro-batch (``--micro-batch`` and the powers of two below it) for the cheapest
-configuration whose peak fits, cheapest meaning, in this order: least communication
-and offload traffic (stages 0, 1 and 2 move the same bytes; then stage 1/2 + CPU
-optimizer, stage 3, stage 3 + offloads, CPU before NVMe); no checkpointing before
+configuration whose peak fits, cheapest meaning, in this order: no offload before
+offload, then least communication and offload traffic (stages 0, 1 and 2 move the same
+bytes; then stage 3, stage 1/2 + CPU optimizer, stage 3 + offloads, CPU before NVMe;
+so plain stage 3 wins over stage 2 + CPU offload when both fit); no checkpointing before
 checkpointing (recompute); the larger micro-batch; the lower stage. It prints the
 config sections to use. Formulas: :mod:`zeal.zero.estimate`.
 """

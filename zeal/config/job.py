@@ -87,7 +87,9 @@ class JobSection(Section):
     save_interval: int = Field(200, ge=0, description="Checkpoint every N steps (0 = at the end only).")
     checkpoint: bool = Field(True, description="Write checkpoints at all (false for throwaway runs).")
     log_interval: int = Field(10, ge=1, description="Progress lines every N steps when not on a terminal.")
-    sample_prompt: str = Field("def ", description="Prompt of the sample generated at the end.")
+    sample_prompt: str = Field("def", description="Prompt of the sample generated at the end (no trailing space: the "
+                               "byte-level BPE joins a space to the word after it, so a lone space token is one the "
+                               "model never saw in training).")
     sample_tokens: int = Field(64, ge=0, description="Tokens generated for the final sample (0 = none).")
     temperature: float = Field(0.8, ge=0, description="Sampling temperature of the final sample.")
     top_k: int = Field(40, ge=0, description="Top-k of the final sample (0 = off).")

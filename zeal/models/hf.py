@@ -308,10 +308,23 @@ def gguf_tokenizer_json(meta: dict) -> str:
     return tok.to_str()
 
 
-def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, say: Callable[[str], None] | None = None
+                 ) -> Path:
     """Write a HF-style folder (config, safetensors, tokenizer, chat template) for a GGUF file.
-    Written to a temporary folder then renamed, so a crash never leaves half a folder."""
+    Written to a temporary folder then renamed, so a crash never leaves half a folder.
+    ``say`` (default: a line on stderr) is told what is written where before, and how big
+    it came out after: a first start spends tens of seconds here."""
+    import sys
+    import time
+
+    if say is None:
+        def say(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
     out = Path(out_dir)
+    gguf = Path(gguf_path)
+    t0 = time.perf_counter()
+    say(f"first use of {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB): converting it once into {out} "
+        "(weights dequantized to float safetensors, tokenizer, chat template); later starts read that folder")
     cfg, sd, meta = read_gguf(gguf_path)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -331,6 +344,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    say(f"wrote {out} ({size / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f} s")
     return out
 
 

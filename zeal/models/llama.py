@@ -110,12 +110,27 @@ class LlamaConfig:
         )
 
     def to_hf(self) -> dict:
-        """The ``config.json`` dict (transformers' ``LlamaConfig`` / ``Qwen2Config`` keys)."""
+        """The ``config.json`` dict (transformers' ``LlamaConfig`` / ``Qwen2Config`` keys).
+        A dense model's carries no mixture-of-experts key (transformers would read
+        ``top_k`` as a generation flag), nor OLMoE's ``qk_norm`` / ``clip_qkv`` when unset."""
         d = asdict(self)
         d.pop("extra")
+        if not self.num_experts:
+            for k in _MOE_KEYS:
+                d.pop(k)
+        if not self.qk_norm:
+            d.pop("qk_norm")
+        if self.clip_qkv is None:
+            d.pop("clip_qkv")
         d["architectures"] = ["Qwen2ForCausalLM" if self.model_type == "qwen2" else "LlamaForCausalLM"]
         d["hidden_act"] = "silu"
         return d
+
+
+_MOE_KEYS = ("num_experts", "moe_every", "top_k", "capacity_factor", "aux_loss_coef", "ep_size",
+             "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "drop_tokens",
+             "mlp_only_layers")
+"""LlamaConfig's mixture-of-experts fields: left out of a dense model's ``config.json``."""
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:

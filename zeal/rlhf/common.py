@@ -38,14 +38,24 @@ class Policy:
         return self.eos_ids[0] if self.eos_ids else 0
 
 
-def load_policy(model: Any, tokenizer: Any = None, eos_token_ids: list[int] | None = None) -> Policy:
+def say(job: str | None, msg: str) -> None:
+    """A phase line ``[job] msg`` on the first rank (none without ``job``): every phase
+    of a few seconds or more says what it does before it starts."""
+    if job and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[{job}] {msg}", flush=True)
+
+
+def load_policy(model: Any, tokenizer: Any = None, eos_token_ids: list[int] | None = None,
+                job: str | None = None) -> Policy:
     """A module as is, or a Hugging Face folder / ``.gguf`` / None (the embedded SmolLM2-135M-Instruct)
-    loaded in fp32 (its tokenizer and end-of-sequence ids come with it)."""
+    loaded in fp32 (its tokenizer and end-of-sequence ids come with it). ``job``: the name
+    the loading is announced under (see :func:`say`)."""
     from zeal.inference.llm import load_model_and_tokenizer, load_tokenizer
 
     if isinstance(model, nn.Module):
         tok, eos = None, []
     else:
+        say(job, f"loading {'the embedded SmolLM2-135M-Instruct' if model is None else model} in fp32")
         model, tok, eos = load_model_and_tokenizer(model)
     if tokenizer is not None:
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -87,11 +97,15 @@ def disable_dropout(model: nn.Module) -> None:
             m.p = 0.0
 
 
-def build_engine(model: nn.Module, engine_cfg: dict, micro_batch: int, lr: float | None = None):
+def build_engine(model: nn.Module, engine_cfg: dict, micro_batch: int, lr: float | None = None,
+                 job: str | None = None, what: str = "training engine"):
     """``zeal.initialize`` over ``model`` with the job's batch (one micro-batch per step unless
-    the config says otherwise)."""
+    the config says otherwise); announced under ``job`` (see :func:`say`)."""
     import zeal
 
+    stage = (engine_cfg.get("zero_optimization") or {}).get("stage", 0)
+    say(job, f"building the {what} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
+        f"ZeRO stage {stage}, {os.environ.get('WORLD_SIZE', '1')} rank(s))")
     cfg = copy.deepcopy(engine_cfg)
     cfg.setdefault("train_micro_batch_size_per_gpu", micro_batch)
     cfg.pop("train_batch_size", None)

@@ -26,6 +26,7 @@ from zeal.rlhf.common import (
     encode_prompt,
     frozen_copy,
     load_policy,
+    say,
     set_seed,
 )
 from zeal.rlhf.config import split_config
@@ -62,12 +63,13 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     (:class:`~zeal.rlhf.config.RLHFConfig`). Writes metrics and checkpoints under ``out``."""
     engine_cfg, rc = split_config(config)
     gen = set_seed(rc.seed)
-    pol = load_policy(model, tokenizer, eos_token_ids)
+    pol = load_policy(model, tokenizer, eos_token_ids, job="grpo")
     disable_dropout(pol.model)
     ref = frozen_copy(pol.model) if rc.beta else None
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
     G = rc.num_generations
-    engine = build_engine(pol.model, engine_cfg, rc.batch_size * G)
+    engine = build_engine(pol.model, engine_cfg, rc.batch_size * G, job="grpo")
+    say("grpo", f"building the serving engine for the rollouts (KV cache {rc.kv_cache_bytes / 2**20:.0f} MiB)")
     hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(engine.module.parameters()).dtype,
                                                  engine.device))
@@ -78,6 +80,9 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     gen.manual_seed(rc.seed * 1000003)
     for _ in range(start):  # the prompt order continues where it stopped
         torch.randint(len(prompt_ids), (P * world,), generator=gen)
+    if start < rc.steps:
+        say("grpo", f"step {start + 1}: generating {G} answers to each of {P * world} prompts (up to "
+            f"{rc.max_new_tokens} tokens), scoring them, then {rc.ppo_epochs} training pass(es); a line per step")
     for step in range(start + 1, rc.steps + 1):
         # one global batch drawn alike on every rank, this rank's slice; answer i of global prompt k is
         # sampled with seed base + k·G + i, as one process drawing the whole batch would

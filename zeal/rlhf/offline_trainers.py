@@ -12,7 +12,16 @@ import torch
 
 from zeal.rlhf import formulas as fm
 from zeal.rlhf.batch import pack, sequence_logprob
-from zeal.rlhf.common import RunLog, RunResult, build_engine, disable_dropout, dp_slice, load_policy, set_seed
+from zeal.rlhf.common import (
+    RunLog,
+    RunResult,
+    build_engine,
+    disable_dropout,
+    dp_slice,
+    load_policy,
+    say,
+    set_seed,
+)
 from zeal.rlhf.config import split_config
 from zeal.rlhf.data import encode_pair, encode_sft, free_token, pad_rows
 from zeal.rlhf.value import ValueModel
@@ -55,9 +64,9 @@ def sft(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
     turns only) or ``prompt`` + ``completion`` (loss on the completion)."""
     engine_cfg, rc = split_config(config)
     gen = set_seed(rc.seed)
-    pol = load_policy(model, tokenizer, eos_token_ids)
+    pol = load_policy(model, tokenizer, eos_token_ids, job="sft")
     examples = [encode_sft(r, pol.tokenizer, pol.eos_ids, rc) for r in data]
-    engine = build_engine(pol.model, engine_cfg, rc.batch_size)
+    engine = build_engine(pol.model, engine_cfg, rc.batch_size, job="sft")
     batches = _rank_batches(len(examples), rc.batch_size, gen, engine)
 
     def step_fn(step):
@@ -88,7 +97,7 @@ def reward_model(model: Any, data: Sequence[dict], config: Any = None, *, tokeni
     are held out and the accuracy on them (chosen scored above rejected) is logged."""
     engine_cfg, rc = split_config(config)
     gen = set_seed(rc.seed)
-    pol = load_policy(model, tokenizer, eos_token_ids)
+    pol = load_policy(model, tokenizer, eos_token_ids, job="rm")
     pairs = [encode_pair(r, pol.tokenizer, pol.eos_ids, rc) for r in data]
     order = torch.randperm(len(pairs), generator=gen).tolist()
     n_eval = int(len(pairs) * rc.eval_fraction)
@@ -96,7 +105,7 @@ def reward_model(model: Any, data: Sequence[dict], config: Any = None, *, tokeni
     if not train:
         raise ValueError(f"reward model: no training pairs left after holding out {n_eval} of {len(pairs)}")
     vm = ValueModel(pol.model)
-    engine = build_engine(vm, engine_cfg, 2 * rc.batch_size)
+    engine = build_engine(vm, engine_cfg, 2 * rc.batch_size, job="rm")
     batches = _rank_batches(len(train), rc.batch_size, gen, engine)
 
     def scores(p, pick):
@@ -128,7 +137,7 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
     with the initial weights, before training."""
     engine_cfg, rc = split_config(config)
     gen = set_seed(rc.seed)
-    pol = load_policy(model, tokenizer, eos_token_ids)
+    pol = load_policy(model, tokenizer, eos_token_ids, job="dpo")
     disable_dropout(pol.model)
     pairs = [encode_pair(r, pol.tokenizer, pol.eos_ids, rc) for r in data]
     prompts = [p for p, _, _ in pairs]
@@ -136,13 +145,15 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
     rejected = pack(prompts, [r for _, _, r in pairs], pol.pad_id)
     was = pol.model.training
     pol.model.eval()
+    say("dpo", f"reference log-probs of the {len(pairs)} chosen/rejected pairs with the initial weights "
+        "(once, before step 1)")
     with torch.no_grad():  # once, with the initial weights
         ref_c = torch.cat([sequence_logprob(pol.model, chosen.ids[i:i + 16], chosen.mask[i:i + 16])
                            for i in range(0, len(pairs), 16)])
         ref_r = torch.cat([sequence_logprob(pol.model, rejected.ids[i:i + 16], rejected.mask[i:i + 16])
                            for i in range(0, len(pairs), 16)])
     pol.model.train(was)
-    engine = build_engine(pol.model, engine_cfg, 2 * rc.batch_size)
+    engine = build_engine(pol.model, engine_cfg, 2 * rc.batch_size, job="dpo")
     batches = _rank_batches(len(pairs), rc.batch_size, gen, engine)
 
     def step_fn(step):

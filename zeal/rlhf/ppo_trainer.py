@@ -29,6 +29,7 @@ from zeal.rlhf.common import (
     encode_prompt,
     frozen_copy,
     load_policy,
+    say,
     set_seed,
 )
 from zeal.rlhf.config import split_config
@@ -97,7 +98,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     lists for the PPO-ptx loss (weighted by ``rlhf.unsup_coef``)."""
     engine_cfg, rc = split_config(config)
     gen = set_seed(rc.seed)
-    pol = load_policy(model, tokenizer, eos_token_ids)
+    pol = load_policy(model, tokenizer, eos_token_ids, job="ppo")
     disable_dropout(pol.model)
     ref = frozen_copy(pol.model)
     if critic is None:
@@ -105,8 +106,9 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     if isinstance(reward, nn.Module):
         reward = frozen_copy(reward)
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
-    actor = build_engine(pol.model, engine_cfg, rc.batch_size)
-    critic_engine = build_engine(critic, engine_cfg, rc.batch_size, lr=rc.critic_lr)
+    actor = build_engine(pol.model, engine_cfg, rc.batch_size, job="ppo", what="actor engine")
+    critic_engine = build_engine(critic, engine_cfg, rc.batch_size, lr=rc.critic_lr, job="ppo",
+                                 what="critic engine")
     hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(actor.module.parameters()).dtype,
                                                  actor.device))
@@ -124,6 +126,9 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         torch.randint(len(prompt_ids), (B * world,), generator=gen)
         if unsup_data and rc.unsup_coef:
             torch.randint(len(unsup_data), (B * world,), generator=gen)
+    if start < rc.steps:
+        say("ppo", f"step {start + 1}: generating answers to {B * world} prompts (up to {rc.max_new_tokens} "
+            "tokens), scoring them, then the actor and critic updates; a line per step")
     for step in range(start + 1, rc.steps + 1):  # one global batch, this rank's slice (as GRPO)
         pick = torch.randint(len(prompt_ids), (B * world,), generator=gen)[r * B:(r + 1) * B].tolist()
         params = SamplingParams(max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,

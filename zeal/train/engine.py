@@ -91,6 +91,11 @@ class TrainEngine:
         self.rank, self.world_size = parts.mesh.rank, parts.mesh.world_size
         self.device = parts.mesh.device
         self._hooks: list[object] = []
+        # DeepSpeed's progress lines, when the config sets steps_per_print (zeal's default is silent)
+        self._print_every = parts.config.steps_per_print if "steps_per_print" in parts.config.model_fields_set \
+            else None
+        self._step_losses: list[torch.Tensor] = []
+        self._print_t0 = time.perf_counter()
         _LIVE.add(self)
 
     def register_step_hook(self, hook: object) -> None:
@@ -209,6 +214,8 @@ class TrainEngine:
         p = self._p
         run_hooks(self._hooks, "before_backward", self.is_gradient_accumulation_boundary())
         scale = (p.scaler.scale if p.scaler else 1.0) / (p.grad_accum if scale_wrt_gas else 1)
+        if self._print_every is not None and self.rank == 0:
+            self._step_losses.append(loss.detach())
         (loss.float() * scale).backward(retain_graph=retain_graph)
         t1 = time.perf_counter()
         run_hooks(self._hooks, "after_backward")
@@ -233,11 +240,30 @@ class TrainEngine:
         self.global_steps += 1
         self.mesh.stats.end_step()
         self._tick("step", t0)
-        if self.rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-            lr = self.lr_scheduler.get_last_lr() if hasattr(self.lr_scheduler, "get_last_lr") else \
-                [g["lr"] for g in self.optimizer.param_groups]
-            log.info("step=%d skipped=%d lr=%s grad_norm=%s loss_scale=%s", self.global_steps, self.skipped_steps,
-                     lr, self.get_global_grad_norm(), self.loss_scale)
+        if self.rank == 0 and self._print_every is not None:
+            if self.global_steps % self._print_every == 0:
+                self._report_progress()
+            self._step_losses.clear()
+
+    def get_mom(self) -> list[Any]:
+        """Every param group's momentum: Adam's ``betas``, else SGD's ``momentum`` (DeepSpeed's accessor)."""
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    def _report_progress(self) -> None:
+        """DeepSpeed's two progress lines, on rank 0 every ``steps_per_print`` steps:
+        ``[Rank 0] step=S, skipped=K, lr=[...], mom=[...]`` and ``steps: S loss: L iter time
+        (s): T samples/sec: R`` (L: this rank's mean loss over the step's micro-batches, as
+        passed to ``backward``; T: wall time per step since the last print)."""
+        now = time.perf_counter()
+        iter_time = (now - self._print_t0) / self._print_every
+        self._print_t0 = now
+        print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
+              f"mom={self.get_mom()}", flush=True)
+        if self._step_losses:
+            loss = float(torch.stack([x.float() for x in self._step_losses]).mean())
+            samples = self._p.micro_batch * self._p.grad_accum * self.mesh.dp_size
+            print(f"steps: {self.global_steps} loss: {loss:0.4f} iter time (s): {iter_time:0.3f} "
+                  f"samples/sec: {samples / max(iter_time, 1e-9):0.3f}", flush=True)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients (they are also dropped after every step)."""

