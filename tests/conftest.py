@@ -12,9 +12,23 @@ so both tiers run the same test body over the same strategies; only the count di
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.register_profile("long", deadline=None, print_blob=True, max_examples=1000)
 settings.load_profile("ci")  # --hypothesis-profile long loads the other after this file
 
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that joins a process group in the pytest process (``deepspeed.initialize``
+    and ``init_distributed`` start a one-rank group, as DeepSpeed's do) must not hand it to
+    the next test: a later ``LLM(tensor_parallel_size=2)`` would see "world size 1"."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -68,7 +68,8 @@ def test_serve_flags_come_from_the_inference_section(capsys):
     for flag in flags:
         assert flag in out, flag
     limit_flags = ["--max-body-bytes", "--max-n", "--max-prompts", "--body-read-timeout-s", "--header-read-timeout-s",
-                   "--keep-alive-timeout-s", "--max-connections"]
+                   "--keep-alive-timeout-s", "--max-connections", "--max-idle-connections", "--max-request-seqs",
+                   "--max-request-tokens"]
     for flag in limit_flags:
         assert flag in out, flag
     assert len([p for p, _ in _leaves(InferenceConfig)]) == len(flags) + len(limit_flags) + 1 + 1  # + model, malloc

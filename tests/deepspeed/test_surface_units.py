@@ -143,11 +143,12 @@ def test_lr_schedule_classes_follow_deepspeeds_formulas():
         s.step()
         lrs.append(s.get_last_lr()[0])
     assert lrs[0] == 0.0 and lrs[11] == pytest.approx(0.1)
-    assert lrs[3] == pytest.approx(0.1 * math.log(4) / math.log(10))  # log warm-up: log(step+1)/log(N)
+    # log warm-up: after k steps last_batch_iteration is k - 1, lr = log(k)/log(N)
+    assert lrs[3] == pytest.approx(0.1 * math.log(3) / math.log(10))
     d = WarmupDecayLR(opt, total_num_steps=20, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
     for _ in range(15):
         d.step()
-    assert d.get_lr()[0] == pytest.approx(0.1 * (20 - 15) / (20 - 10))
+    assert d.get_lr()[0] == pytest.approx(0.1 * (20 - 14) / (20 - 10))  # last_batch_iteration 14
     assert d.state_dict()["last_step"] == 15
 
 

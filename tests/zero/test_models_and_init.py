@@ -65,7 +65,7 @@ def _hf_train(rank, world):
     out = {}
     for stage in (0, 1, 2, 3):
         engine = zeal.initialize(_hf_model(), {"train_micro_batch_size_per_gpu": 2,
-                                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
                                                "zero_optimization": {"stage": stage}})
         losses = []
         for batch in _hf_batches(world):

@@ -31,7 +31,7 @@ def _config(stage: int, extra: dict | None = None) -> dict:
     zo = {"stage": stage, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 3000,
           "reduce_bucket_size": 2000}
     zo.update(extra or {})
-    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},  # torch AdamW's default (the reference's)
             "zero_optimization": zo}
 
 

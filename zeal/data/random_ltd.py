@@ -258,7 +258,8 @@ def convert_to_random_ltd(model: Any, convert_type: type) -> Any:
     modules (a model whose layers zeal cannot find needs this). After it (``model`` the
     engine, as DeepSpeed's scripts call it): checks that the engine's random-LTD layers are
     of that type. Returns ``model``."""
-    engine = model if hasattr(model, "token_drop") and hasattr(model, "module") else None
+    inner = getattr(model, "__dict__", {}).get("engine")  # DeepSpeed's facade keeps zeal's engine there
+    engine = inner if hasattr(inner, "token_drop") else model if hasattr(model, "token_drop") else None
     module = engine.module if engine is not None else model
     found = [m for m in module.modules() if isinstance(m, convert_type)]
     if not found:
