@@ -96,6 +96,15 @@ def hf_greedy(path, prompts: list[list[int]], max_new_tokens: int) -> list[list[
     return outs
 
 
+def stop_app(app) -> None:
+    """Run a built app's lifespan to its end, so the engine it holds stops (an engine
+    process would otherwise stay alive, and polling, until the test session ends)."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(app):
+        pass
+
+
 def mixed_prompts(seed: int, count: int, lo: int, hi: int, prefix: list[int] | None = None) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.inference.conftest import mixed_prompts
+from tests.inference.conftest import mixed_prompts, stop_app
 from zeal.config.inference import EngineConfig
 from zeal.inference import LLM, SamplingParams
 from zeal.models.hf import load_hf_model
@@ -112,3 +112,4 @@ def test_serve_flag_draft_model(llama_dir):
     assert cfg.engine.speculative_config.model == str(llama_dir)
     app, _ = build(cfg)
     assert app is not None
+    stop_app(app)

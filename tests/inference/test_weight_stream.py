@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.inference.conftest import stop_app
 from zeal.inference.llm import LLM
 from zeal.inference.sampling_params import SamplingParams
 from zeal.models.hf import load_hf_model
@@ -94,7 +95,7 @@ def test_serve_flags(folder, tmp_path):
     argv = [str(folder), "--dtype", "float32", "--weights-offload", "disk", "--offload-dir", str(tmp_path / "l")]
     cfg = serve.config_from_args(parser.parse_args([*argv, "--max-resident-weights-gb", str(budget)]))
     assert (cfg.weights_offload, cfg.max_resident_weights_gb) == ("disk", budget)
-    serve.build(cfg)
+    stop_app(serve.build(cfg)[0])
     small = serve.config_from_args(parser.parse_args([*argv, "--max-resident-weights-gb", str(fixed / GB)]))
     with pytest.raises(ValueError, match="max_resident_weights_gb .* below"):
         serve.build(small)

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from tests.inference.conftest import stop_app
 from zeal.compression.quant import dequantize, quantize
 from zeal.inference.llm import LLM
 from zeal.inference.sampling_params import SamplingParams
@@ -156,7 +157,7 @@ def test_serve_flag(folder, tmp_path):
             "--max-resident-weights-gb", "1", "--weights-offload-quant", "int4"]
     cfg = serve.config_from_args(parser.parse_args(argv))
     assert cfg.weights_offload_quant == "int4"
-    serve.build(cfg)
+    stop_app(serve.build(cfg)[0])
     with pytest.raises(SystemExit):  # argparse: invalid choice
         parser.parse_args([*argv[:-1], "int2"])
     bad = serve.config_from_args(parser.parse_args([str(folder), "--weights-offload-quant", "int8"]))

@@ -55,8 +55,16 @@ def _load() -> object:
         pass
     if not (build_dir / f"{name}.so").exists():
         log.warning("zeal: compiling the fused CPU kernels once (%s)", build_dir)
+    # Build from a copy kept beside the build: ninja rebuilds when a source's path changes, and
+    # the name (a hash of the text) already tells builds apart, so every checkout shares one.
+    source = build_dir / SOURCE.name
+    text = SOURCE.read_bytes()
+    if not source.is_file() or source.read_bytes() != text:
+        tmp = build_dir / f"{SOURCE.name}.{os.getpid()}.tmp"
+        tmp.write_bytes(text)
+        os.replace(tmp, source)
     # -fopenmp links libgomp, which resolves to the copy torch already loaded: one thread pool
-    load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir), is_python_module=False,
+    load(name=name, sources=[str(source)], build_directory=str(build_dir), is_python_module=False,
          extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-Wno-psabi"],
          extra_ldflags=["-fopenmp"], verbose=False)
     return torch.ops.zeal_cpu
