@@ -6,6 +6,7 @@ server still answers and every KV block is free. Derandomized and bounded in exa
 from __future__ import annotations
 
 import copy
+import json
 import time
 from collections import Counter
 
@@ -108,6 +109,108 @@ def test_schema_fuzz_gets_no_5xx_and_json_errors(fuzz_server, max_examples):
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
     engine = aengine.engine
     deadline = time.monotonic() + 10
+    while (engine.requests or engine.bm.num_used_blocks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.requests and engine.bm.num_used_blocks == 0
+
+
+# ------------------------------------------------------------ tools and structured outputs
+def _profile_examples(default: int) -> int:
+    """The loaded hypothesis profile's ``max_examples`` when a profile was chosen (e.g. by
+    ``--hypothesis-profile``), else ``default`` (kept small: the suite runs it every time)."""
+    from hypothesis import settings as hs
+
+    chosen = getattr(hs, "_current_profile", None) not in (None, "default")
+    return hs.default.max_examples if chosen else default
+
+
+STRUCTURED_EXAMPLES = _profile_examples(30)
+NAMES = ["get_weather", "book", "f"]
+_LEAVES = [{"type": "string", "maxLength": 4}, {"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"},
+           {"enum": ["a", "b", 1]}, {"const": "x"}, {"type": "null"}, {}, {"$ref": "#"}, {"$ref": "#/$defs/a"},
+           {"$ref": "#/definitions/a"}, {"$ref": "#/$defs/missing"}, {"type": "strung"}, {"type": 5},
+           {"type": "string", "pattern": "^a+$", "maxLength": 3}, {"type": "string", "pattern": "(("},
+           {"type": "string", "format": "date"}, {"minimum": "x"}]
+
+
+def _schemas():
+    leaf = st.sampled_from(_LEAVES)
+    node = st.recursive(leaf, lambda c: st.one_of(
+        st.builds(lambda p, req: {"type": "object", "properties": p, "required": [k for k in p if req],
+                                  "additionalProperties": False}, st.dictionaries(st.sampled_from("abc"), c, max_size=2),
+                  st.booleans()),
+        st.builds(lambda x: {"type": "array", "items": x, "maxItems": 2}, c),
+        st.builds(lambda xs: {"anyOf": xs}, st.lists(c, min_size=1, max_size=2)),
+        st.builds(lambda x: {"allOf": [x]}, c)), max_leaves=5)
+    with_defs = st.builds(lambda s, d, key: s | {key: {"a": d}}, node.filter(lambda x: isinstance(x, dict)), node,
+                          st.sampled_from(["$defs", "definitions"]))
+    junk = st.dictionaries(st.text(max_size=4), st.one_of(st.integers(), st.text(max_size=3), st.none()), max_size=2)
+    return st.one_of(node, with_defs, junk)
+
+
+def _structured_fields():
+    schema = _schemas()
+    response_format = st.one_of(
+        st.just({"type": "text"}), st.just({"type": "json_object"}),
+        st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, schema),
+        st.just({"type": "json_schema"}), st.just({"type": "yaml"}), st.just("json"))
+    structured = st.one_of(
+        st.builds(lambda r: {"regex": r}, st.one_of(st.sampled_from(["a+", "((", "[0-9]{1,3}", "(a|b)*c", "", "\\"]),
+                                                    st.integers(), st.none())),
+        st.builds(lambda g: {"grammar": g}, st.sampled_from(['start: "a"+', "start: foo", "start: /[ab]{1,4}/", "", 3])),
+        st.builds(lambda s: {"json": s}, st.one_of(schema, st.just("{not json"), st.just([1]))),
+        st.builds(lambda b: {"json_object": b}, st.one_of(st.booleans(), st.just("yes"))),
+        st.just({"bogus": 1}), st.just({"regex": "a", "json": {}}), st.just({}), st.just([]))
+    tool = st.one_of(
+        st.builds(lambda n, p: {"type": "function", "function": {"name": n, "parameters": p}},
+                  st.sampled_from(NAMES), schema),
+        st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(NAMES)),
+        st.just({"type": "function", "function": {"name": ""}}), st.just({"type": "web"}), st.just("f"))
+    tool_choice = st.one_of(
+        st.sampled_from(["none", "auto", "required", "bogus", None, 5]),
+        st.builds(lambda n: {"type": "function", "function": {"name": n}}, st.sampled_from(NAMES + ["nope"])),
+        st.builds(lambda n: {"type": "function", "function": n}, st.sampled_from(NAMES)),
+        st.just(["get_weather"]), st.just({"type": "function"}), st.just({"function": {"name": "f"}}))
+    return {"response_format": response_format, "structured_outputs": structured,
+            "tools": st.lists(tool, max_size=2), "tool_choice": tool_choice}
+
+
+@pytest.mark.timeout(300)
+def test_tools_and_structured_outputs_fuzz_gets_no_5xx(fuzz_server):
+    pytest.importorskip("llguidance")
+    _, base, aengine = fuzz_server
+    fields = _structured_fields()
+    chat = st.fixed_dictionaries(
+        {"messages": st.just([{"role": "user", "content": "hi"}]), "max_tokens": st.integers(1, 8)},
+        optional=fields | {"stream": st.booleans()})
+    completion = st.fixed_dictionaries(
+        {"prompt": st.just("ok"), "max_tokens": st.integers(1, 8)},
+        optional={k: fields[k] for k in ("response_format", "structured_outputs")} | {"stream": st.booleans()})
+    seen: Counter = Counter()
+
+    @settings(max_examples=STRUCTURED_EXAMPLES, derandomize=True, deadline=None, database=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(path_body=st.one_of(st.tuples(st.just("/v1/chat/completions"), chat),
+                               st.tuples(st.just("/v1/completions"), completion)))
+    def check(path_body) -> None:
+        path, body = path_body
+        r = httpx.post(base + path, json=body, headers=AUTH, timeout=30)
+        seen[r.status_code] += 1
+        where = f"{path} body={body!r:.400}"
+        assert r.status_code < 500, f"{where} -> {r.status_code} {r.text[:300]}"
+        if r.status_code >= 400:
+            err = r.json()["error"]
+            assert set(err) == ERROR_KEYS and "\n" not in err["message"], (where, err)
+        elif body.get("stream"):  # an error after the first event comes as an event: never the server's fault
+            for line in r.text.splitlines():
+                if line.startswith("data: {") and '"error"' in line:
+                    assert json.loads(line[6:])["error"]["type"] != "server_error", (where, line)
+
+    check()
+    print(dict(seen))
+    assert seen[200] > 0 and sum(n for s, n in seen.items() if 400 <= s < 500) > 0
+    deadline = time.monotonic() + 10
+    engine = aengine.engine
     while (engine.requests or engine.bm.num_used_blocks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not engine.requests and engine.bm.num_used_blocks == 0

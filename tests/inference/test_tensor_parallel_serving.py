@@ -186,11 +186,25 @@ def test_zeal_serve_tp2_over_http_then_a_dead_rank_stops_it(llama_dir):
         ref = LLM(llama_dir).generate(prompts, SamplingParams(max_tokens=8, temperature=0))
         by_index = sorted(got["choices"], key=lambda c: c["index"])
         assert [c["text"] for c in by_index] == [o.text for o in ref]
-        (worker,) = _children(proc.pid)
-        os.kill(worker, signal.SIGKILL)
+        # a worker dies mid-stream: the stream ends with an error event, then [DONE]
+        body = {"prompt": "Hello", "max_tokens": 230, "temperature": 0, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            events = [r.readline()]
+            assert events[0].startswith(b"data: {")
+            (worker,) = _children(proc.pid)
+            os.kill(worker, signal.SIGKILL)
+            events += [line for line in r if line.strip()]
+        assert events[-1] == b"data: [DONE]\n", events[-3:]
+        last = json.loads(events[-2][len(b"data: "):])
+        assert last["error"]["type"] == "server_error" and "tensor-parallel rank 1" in last["error"]["message"]
         _, err = proc.communicate(timeout=30)
         assert proc.returncode == 1
-        assert "zeal serve: tensor-parallel rank 1 exited with code -9; stopping" in err.splitlines(), err
+        lines = err.splitlines()
+        assert "zeal serve: tensor-parallel rank 1 exited with code -9; stopping" in lines, err
+        first = next(i for i, x in enumerate(lines) if "tensor-parallel rank 1" in x)
+        assert "Traceback" not in err and not [x for x in lines[:first] if "gloo" in x.lower()], err
     finally:
         if proc.poll() is None:
             proc.kill()

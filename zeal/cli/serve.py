@@ -115,12 +115,12 @@ class _RankDeath:
 
     def __init__(self, grace: float = 10.0) -> None:
         self.aengine = None
+        self.server = None  # the uvicorn.Server, once serving
         self.message: str | None = None
         self.grace = grace
 
     def __call__(self, message: str) -> None:
         import os
-        import signal
         import threading
 
         if self.message is not None:
@@ -133,7 +133,8 @@ class _RankDeath:
         timer = threading.Timer(self.grace, os._exit, (1,))
         timer.daemon = True
         timer.start()
-        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+        if self.server is not None:
+            self.server.should_exit = True  # uvicorn's graceful shutdown (a signal would be re-raised at its end)
 
 
 _exit_on_rank_death = _RankDeath()
@@ -229,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
     from zeal.inference.server import uvicorn_limits
 
     print(f"zeal serve: {name} on http://{srv.host}:{srv.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=srv.host, port=srv.port, log_level=srv.log_level, timeout_graceful_shutdown=5,
-                **uvicorn_limits(srv.limits))
+    server = uvicorn.Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+                                           timeout_graceful_shutdown=5, **uvicorn_limits(srv.limits)))
+    _exit_on_rank_death.server = server
+    server.run()
     return 1 if _exit_on_rank_death.message else 0  # under tensor parallelism the other ranks are stopped at exit
 
 

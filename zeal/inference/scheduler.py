@@ -24,21 +24,25 @@ and within a group oldest first:
 - decodes: the groups' decoding sequences are interleaved (one of each group,
   then a second of each, ...); while some group has prompt work, one slot (and
   one token) per such group is kept back for it (at most half the pass);
-- prompt chunks: continuations, then admissions, interleaved the same way; each
-  chunk takes at most the budget left divided by the groups still to be served;
+- prompt chunks: continuations, then admissions, interleaved the same way; every
+  prompt (or rest of one) that fits in the budget left runs whole, then one prompt
+  is split over what remains (Dynamic SplitFuse: at most one split per pass), the
+  split going to the group that waited longest for one;
 - memory: a group blocked at admission for lack of KV blocks may preempt the
   youngest sequences of a group running at least two more sequences than it.
 
 The bound. With ``G`` groups holding work, ``M = max_num_seqs`` and
 ``B = max_num_batched_tokens``, each pass gives every group at least
-``min(its decoding sequences, floor((M - G) / G))`` decode slots and a prompt
-chunk of at least ``floor((B - M) / G)`` tokens. So a request of ``s`` sequences
-(``s <= floor((M - G) / G)``) with a ``P``-token prompt and ``T`` tokens to
-generate finishes within ``ceil(P / floor((B - M) / G)) + T`` passes of its
-arrival, against ``ceil(P / B) + T - 1`` alone: beside one request of any size
-(``G = 2``), at most about twice its solo passes (while the KV cache can hold
-it: a larger group is preempted to make room). A pass is bounded in work by
-``B`` tokens, so the bound holds in time too, up to the cost of a full pass.
+``min(its decoding sequences, floor((M - G) / G))`` decode slots, and a group's
+prompt either runs whole (when it fits in the ``B - M`` or more tokens the
+decodes leave, after the other groups' whole prompts) or gets the pass's split
+at least once every ``G`` passes. So a request of ``s <= floor((M - G) / G)``
+sequences with a ``P``-token prompt and ``T`` tokens to generate finishes within
+about ``G * ceil(P / (B - M)) + T`` passes of its arrival, against
+``ceil(P / B) + T - 1`` alone: beside one request of any size (``G = 2``), at
+most about twice its solo passes (while the KV cache can hold it: a larger group
+is preempted to make room). A pass is bounded in work by ``B`` tokens, so the
+bound holds in time too, up to the cost of a full pass.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._passes = 0
+        self._last_split: dict[str, int] = {}  # group -> the pass that last split one of its prompts
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -159,43 +165,58 @@ class Scheduler:
             scheduled.add(seq.seq_id)
             budget -= 1 + k
 
-        # 2. prompt chunks: continuations of split prompts, then new arrivals, groups interleaved
+        # 2. prompt chunks, groups interleaved: every prompt (rest) that fits whole, then one split
         cands = interleave([s for s in self.running if s.seq_id not in scheduled and not s.is_decoding
                             and s.num_uncomputed > 0] + list(self.waiting))
-        remaining = Counter(s.group for s in cands)
         blocked: set[str] = set()  # groups whose next arrival found no KV blocks
+        deferred: list[Sequence] = []
         for seq in cands:
-            groups_left = sum(1 for n in remaining.values() if n > 0)
-            remaining[seq.group] -= 1
             if budget == 0 or len(out.chunks) == max_seqs:
                 break
             if seq.group in blocked:
                 continue
-            cap = max(1, budget // groups_left)
-            if seq.status is SeqStatus.RUNNING:
-                budget -= self._schedule_prompt(seq, min(budget, cap), out)
+            if seq.num_uncomputed > budget:
+                deferred.append(seq)
+            elif self._admit(seq, scheduled, blocked, out):
+                budget -= self._schedule_prompt(seq, budget, out)
                 scheduled.add(seq.seq_id)
-                continue
-            if seq.status is not SeqStatus.WAITING:
-                continue
-            if not self.bm.can_allocate(seq) and not self._make_room(seq, scheduled, out):
-                if not self.running and not out.chunks:
-                    # every block is free and it still does not fit: it never will
-                    self.waiting.remove(seq)
-                    seq.status = SeqStatus.FINISHED
-                    seq.finish_reason = "error"
-                    seq.error = f"request needs more KV blocks than the cache has ({self.bm.num_blocks})"
-                    out.failed.append(seq)
-                    continue
-                blocked.add(seq.group)  # arrival order within a group: the rest of it waits too
-                continue
-            self.waiting.remove(seq)
-            self.bm.allocate(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            budget -= self._schedule_prompt(seq, min(budget, cap), out)
-            scheduled.add(seq.seq_id)
+        # the split goes to the group that waited longest for one (ties: the interleaved order)
+        deferred.sort(key=lambda s: self._last_split.get(s.group, -1))
+        for seq in deferred:
+            if budget == 0 or len(out.chunks) == max_seqs:
+                break
+            if seq.group not in blocked and self._admit(seq, scheduled, blocked, out):
+                budget -= self._schedule_prompt(seq, budget, out)
+                scheduled.add(seq.seq_id)
+                self._last_split[seq.group] = self._passes
+                break
+        self._passes += 1
         return out
+
+    def _admit(self, seq: Sequence, scheduled: set[int], blocked: set[str], out: SchedulerOutput) -> bool:
+        """Whether ``seq`` may run a prompt chunk now: running already, or admitted with KV
+        blocks for its whole known token list (preempting a larger group if need be). A
+        request that can never fit fails; one that must wait blocks its group for this pass."""
+        if seq.status is SeqStatus.RUNNING:
+            return True
+        if seq.status is not SeqStatus.WAITING:
+            return False
+        if not self.bm.can_allocate(seq) and not self._make_room(seq, scheduled, out):
+            if not self.running and not out.chunks:
+                # every block is free and it still does not fit: it never will
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = "error"
+                seq.error = f"request needs more KV blocks than the cache has ({self.bm.num_blocks})"
+                out.failed.append(seq)
+            else:
+                blocked.add(seq.group)  # arrival order within a group: the rest of it waits too
+            return False
+        self.waiting.remove(seq)
+        self.bm.allocate(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def _victim(self, scheduled: set[int]) -> Sequence:
         """The sequence to preempt for blocks: the youngest not yet in this pass of the group
