@@ -138,7 +138,8 @@ def read_samples(out: Path) -> tuple[dict[int, list[float]], float]:
     lls = {}
     for line in samples.read_text().splitlines():
         s = json.loads(line)
-        lls[s["doc_id"]] = [r[0][0] if isinstance(r[0], list) else r[0] for r in s["resps"]]
+        # each choice's response: [[log-likelihood, is_greedy]] (lm-eval 0.4.13 logs them as strings)
+        lls[s["doc_id"]] = [float(r[0][0] if isinstance(r[0], list) else r[0]) for r in s["resps"]]
     acc = json.loads(results.read_text())["results"]["zeal_mc"]["acc,none"]
     return lls, acc
 
