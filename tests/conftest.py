@@ -12,6 +12,7 @@ so both tiers run the same test body over the same strategies; only the count di
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -23,12 +24,22 @@ settings.load_profile("ci")  # --hypothesis-profile long loads the other after t
 
 
 
+_RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group_left_behind():
     """A test that joins a process group in the pytest process (``deepspeed.initialize``
-    and ``init_distributed`` start a one-rank group, as DeepSpeed's do) must not hand it to
-    the next test: a later ``LLM(tensor_parallel_size=2)`` would see "world size 1"."""
+    and ``init_distributed`` start a one-rank group and set RANK/WORLD_SIZE, as DeepSpeed's
+    do) must not hand it to the next test: a later ``LLM(tensor_parallel_size=2)`` would
+    see "world size 1", and ``zeal rlhf`` would think it runs inside a launched rank."""
+    before = {k: os.environ.get(k) for k in _RANK_ENV}
     yield
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
