@@ -51,7 +51,7 @@ class WarmupLR(_Schedule):
 
 
 class WarmupDecayLR(_Schedule):
-    """:class:`WarmupLR`, then linear decay to 0 at ``total_num_steps``."""
+    """:class:`WarmupLR`, then linear decay back to ``warmup_min_lr`` at ``total_num_steps``."""
 
     kind = WARMUP_DECAY_LR
 
