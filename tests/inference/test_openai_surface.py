@@ -84,3 +84,15 @@ def test_completion_logprobs_validate_as_sdk_types(base):
     e = _client(base).completions.create(**kw, echo=True).choices[0].logprobs
     assert e.token_logprobs[0] is None and e.top_logprobs[0] is None and e.text_offset[:3] == [0, 1, 2]
     assert e.tokens == ["a", "b", "c", *lp.tokens] and e.token_logprobs[3:] == lp.token_logprobs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_logit_bias_is_refused_by_name_unless_empty(base, route):
+    body = {"model": NAME, "max_tokens": 2, "temperature": 0}
+    body |= {"prompt": "hi"} if route == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{base}/v1/{route}", json=body | {"logit_bias": {"5": 100}}, timeout=30)
+    assert r.status_code == 400, r.text  # it was accepted and silently not applied
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "logit_bias" in err["message"] and "\n" not in err["message"]
+    assert httpx.post(f"{base}/v1/{route}", json=body | {"logit_bias": {}}, timeout=30).status_code == 200

@@ -88,6 +88,14 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's extension: json, json_object, regex or grammar
+    logit_bias: dict[str, float] | None = None  # refused unless empty: not applied by the sampler
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v:
+            raise ValueError("logit_bias is not supported by zeal serve (omit it, or send {})")
+        return v
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
