@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from zeal.deepspeed.refusals import Refused
+
 __all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported", "set_accelerator"]
 
 _REFUSED = {
@@ -42,7 +44,7 @@ class Accelerator:
 
     def __getattr__(self, name: str) -> Any:
         if name in _REFUSED:
-            raise NotImplementedError(f"get_accelerator().{name} (DeepSpeed) is not part of zeal: {_REFUSED[name]}")
+            raise Refused(f"get_accelerator().{name}", _REFUSED[name])
         raise AttributeError(f"get_accelerator() has no attribute {name!r}")
 
     def __repr__(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zeal.deepspeed.refusals import Refused
 from zeal.deepspeed.utils import groups
 from zeal.deepspeed.utils.logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from zeal.deepspeed.utils.misc import OnDevice, RepeatingLoader
@@ -29,5 +30,5 @@ _REFUSED.update({n: "zeal's ZeRO-3 gathers per flat unit; it has no leaf-module 
 
 def __getattr__(name: str) -> Any:
     if name in _REFUSED:
-        raise NotImplementedError(f"deepspeed.utils.{name} (DeepSpeed) is not part of zeal: {_REFUSED[name]}")
+        raise Refused(f"deepspeed.utils.{name}", _REFUSED[name])
     raise AttributeError(f"module 'deepspeed.utils' has no attribute {name!r}")
