@@ -191,6 +191,9 @@ class Scheduler:
                 self._last_split[seq.group] = self._passes
                 break
         self._passes += 1
+        if len(self._last_split) > 64:  # forget finished requests (else one entry per request served, forever)
+            live = {s.group for s in self.running} | {s.group for s in self.waiting}
+            self._last_split = {g: p for g, p in self._last_split.items() if g in live}
         return out
 
     def _admit(self, seq: Sequence, scheduled: set[int], blocked: set[str], out: SchedulerOutput) -> bool:
