@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+from zeal.dist.launch import free_port, rank_env  # noqa: F401 - free_port: re-exported for tests
 
 # Imported once in the forkserver, before any rank is forked from it (each saves seconds
 # per rank; a module that fails to import is skipped). The two Hugging Face models are the
@@ -39,12 +40,6 @@ def _context():
     return ctx
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _environment(env: dict[str, str]) -> None:
     """The parent's environment as it was at the call (a forked rank has the server's)."""
     os.environ.clear()
@@ -54,10 +49,7 @@ def _environment(env: dict[str, str]) -> None:
 def _child(fn: Callable, rank: int, world: int, local_world: int, port: int, args: tuple, q,
            env: dict[str, str]) -> None:
     _environment(env)
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank % local_world), "LOCAL_WORLD_SIZE": str(local_world), "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(rank_env(rank, world, port, local_world=local_world, threads=1))
     try:
         import torch
 
@@ -131,10 +123,7 @@ def _collect(q, procs: list, timeout: float) -> list:
 
 def _pool_child(rank: int, world: int, port: int, inbox, outbox, env: dict[str, str]) -> None:
     _environment(env)
-    os.environ.update({
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-    })
+    os.environ.update(rank_env(rank, world, port, threads=1))
     import torch
 
     torch.set_num_threads(1)

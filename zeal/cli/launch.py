@@ -11,14 +11,13 @@ otherwise). zeal starts no remote processes itself: no ssh, no home-made protoco
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import socket
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+# the launcher itself lives in zeal.dist.launch (one way to start ranks); its command-line
+# builders are re-exported here for the commands and scripts that import them from this module
+from zeal.dist.launch import RANK_MAIN, RUNNER, child_env, run_torchrun, torchrun_argv  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -59,57 +58,6 @@ def _this_node_rank(hosts: list[Host]) -> int:
     raise ValueError("--hostfile: this machine is not in it; pass --node-rank")
 
 
-def torchrun_argv(nproc: int, program: list[str], *, nnodes: int = 1, node_rank: int | None = None,
-                  master_addr: str | None = None, master_port: int = 29500, rdzv_id: str = "zeal",
-                  rdzv_backend: str = "c10d", module: bool = False, max_restarts: int = 0,
-                  runner: str = "torch.distributed.run") -> list[str]:
-    """The ``python -m torch.distributed.run`` command line for a launch (``runner``:
-    another module taking torchrun's arguments, such as ``zeal.cli.quiet_torchrun``).
-
-    Multi-node runs use the c10d rendezvous by default (ranks are assigned in
-    arrival order; ``node_rank`` is only checked); ``rdzv_backend="static"`` uses
-    ``node_rank`` as given, for a fixed rank layout."""
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    if nnodes < 1:
-        raise ValueError(f"--nnodes must be >= 1, got {nnodes}")
-    if not program:
-        raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
-    argv = [sys.executable, "-m", runner, f"--nproc-per-node={nproc}"]
-    if nnodes == 1 and master_addr is None:
-        argv.append("--standalone")
-    else:
-        if master_addr is None:
-            raise ValueError("--nnodes > 1 needs --master-addr (or --hostfile)")
-        if node_rank is not None and not 0 <= node_rank < nnodes:
-            raise ValueError(f"--node-rank must be in [0, {nnodes}), got {node_rank}")
-        if rdzv_backend == "c10d":
-            argv += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={master_addr}:{master_port}",
-                     f"--rdzv-id={rdzv_id}"]
-        elif rdzv_backend == "static":
-            if node_rank is None:
-                raise ValueError("--rdzv-backend static needs --node-rank")
-            argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
-                     f"--master-port={master_port}"]
-        else:
-            raise ValueError(f"--rdzv-backend must be c10d or static, got {rdzv_backend!r}")
-    if max_restarts:
-        argv.append(f"--max-restarts={max_restarts}")
-    if module:
-        argv.append("-m")
-    return argv + list(program)
-
-
-def child_env(nproc: int) -> dict[str, str]:
-    """Environment for launched ranks: zeal importable from this checkout, and one
-    share of the CPU cores per rank unless OMP_NUM_THREADS is already set."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return env
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``zeal launch``."""
     p = subparsers.add_parser(
@@ -128,6 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None,
                    help="where a failing rank writes its traceback (rankN.log) and torchrun its own log "
                         "(default: a temporary folder, removed after a successful run)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="end the ranks after S seconds, with each rank's last collectives reported")
     p.add_argument("--dry-run", action="store_true", help="print the torchrun command and exit")
     p.add_argument("program", nargs=argparse.REMAINDER, help="script.py (or module with -m) and its arguments")
 
@@ -148,31 +98,19 @@ def run(args: argparse.Namespace) -> int:
             nproc = hosts[node_rank].slots
     if not args.program:
         raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
-    # Each rank runs the program under zeal.cli.rank_main, which records its error for this
+    # Each rank runs the program under zeal.dist.rank_main, which records its error for this
     # process to print once; torchrun's own failure report goes to a log file.
-    program = ["zeal.cli.rank_main", *(["-m"] if args.module else []), *args.program]
+    program = [RANK_MAIN, *(["-m"] if args.module else []), *args.program]
     argv = torchrun_argv(nproc or 1, program, nnodes=nnodes or 1, node_rank=node_rank, master_addr=master,
                          master_port=args.master_port, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
-                         module=True, runner="zeal.cli.quiet_torchrun")
+                         module=True, runner=RUNNER)
     if args.dry_run:
         print(" ".join(argv))
         return 0
-    return _run_ranks(argv, nproc or 1, args.log_dir)
+    return _run_ranks(argv, nproc or 1, args.log_dir, args.timeout)
 
 
-def _run_ranks(argv: list[str], nproc: int, log_dir: str | None) -> int:
-    """Run the torchrun command; on failure print the first rank's error in one line."""
-    from zeal.cli.rank_errors import clear_rank_errors, failure_line
-
-    logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="zeal-launch-"))
-    logs.mkdir(parents=True, exist_ok=True)
-    clear_rank_errors(logs)
-    env = child_env(nproc)
-    env["ZEAL_RANK_LOG_DIR"] = str(logs)
-    env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
-    rc = subprocess.call(argv, env=env)
-    if rc != 0:
-        print(failure_line(logs, rc, "zeal launch", logs / "torchrun.log"), file=sys.stderr)
-    elif log_dir is None:
-        shutil.rmtree(logs, ignore_errors=True)
-    return rc
+def _run_ranks(argv: list[str], nproc: int, log_dir: str | None, timeout_s: float | None = None) -> int:
+    """Run the torchrun command (:func:`zeal.dist.launch.run_torchrun`): on failure the
+    forensics report, if any, and the first rank's error in one line."""
+    return run_torchrun(argv, nproc, prog="zeal launch", log_dir=log_dir, timeout_s=timeout_s)

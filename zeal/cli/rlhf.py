@@ -66,25 +66,12 @@ def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def _launch(args: argparse.Namespace, out: Path) -> int:
-    """Run the job on ``args.nproc`` ranks through torchrun (as ``zeal train`` does); a
-    failing rank records its error under ``<out>/logs`` and the first one is printed."""
-    import subprocess
-    import sys
+    """Run the job on ``args.nproc`` ranks (:func:`zeal.dist.launch.launch_ranks`, as
+    ``zeal train``); a failing rank records its error under ``<out>/logs``, the first is printed."""
+    from zeal.dist.launch import launch_ranks
 
-    from zeal.cli.launch import child_env, torchrun_argv
-    from zeal.cli.rank_errors import clear_rank_errors, failure_line
-
-    logs = out / "logs"
-    clear_rank_errors(logs)
-    logs.mkdir(parents=True, exist_ok=True)
-    argv = torchrun_argv(args.nproc, _rank_argv(args, out), module=True, runner="zeal.cli.quiet_torchrun")
-    env = child_env(args.nproc)
-    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
-    env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
-    env["ZEAL_FORENSICS_DIR"] = str(logs)
-    rc = subprocess.call(argv, env=env)
+    rc = launch_ranks(_rank_argv(args, out), args.nproc, prog=f"zeal rlhf {args.job}", log_dir=out / "logs")
     if rc != 0:
-        print(failure_line(logs, rc, f"zeal rlhf {args.job}", logs / "torchrun.log"), file=sys.stderr)
         raise SystemExit(rc)
     return 0
 
@@ -181,13 +168,9 @@ def run(args: argparse.Namespace) -> int:
         return _launch(args, out)
     if not in_distributed_env():
         return _run_job(args, out)
-    from zeal.cli.rank_errors import exit_status, record_rank_error
+    from zeal.dist.launch import run_rank
 
-    try:  # a launched rank: record the error, the launcher prints it
-        return _run_job(args, out)
-    except Exception as e:  # noqa: BLE001 - any failure is this rank's to record
-        record_rank_error(out / "logs", int(os.environ["RANK"]), e)
-        raise SystemExit(exit_status(e)) from None
+    return run_rank(lambda: _run_job(args, out), out / "logs")  # a launched rank: the launcher prints its error
 
 
 def check_inputs(args: argparse.Namespace) -> list[dict] | None:

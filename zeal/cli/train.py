@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -214,13 +212,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if spec.job.nproc > 1 and not in_distributed_env():
         return _relaunch(spec, prepare_data, write_spec)
     if args.spec and in_distributed_env():  # a rank started by _relaunch: record the error, print nothing
-        from zeal.cli.rank_errors import exit_status, record_rank_error
+        from zeal.dist.launch import run_rank
 
-        try:
-            run_job(spec)
-        except Exception as e:  # noqa: BLE001 - any failure is this rank's to record
-            record_rank_error(Path(spec.job.run_dir) / "logs", int(os.environ["RANK"]), e)
-            raise SystemExit(exit_status(e)) from None
+        run_rank(lambda: run_job(spec), Path(spec.job.run_dir) / "logs")
         return 0
     run_job(spec)
     return 0
@@ -239,30 +233,15 @@ def _already_done(spec: Any) -> bool:
 
 
 def _relaunch(spec: Any, prepare_data: Any, write_spec: Any) -> int:
-    from zeal.cli.launch import child_env, torchrun_argv
+    from zeal.dist.launch import launch_ranks
 
     if spec.job.resume and not (Path(spec.job.run_dir) / "checkpoints").is_dir():
         raise UsageError(f"--resume: no checkpoint in {Path(spec.job.run_dir) / 'checkpoints'}")
-    from zeal.cli.rank_errors import clear_rank_errors, failure_line
-
     prepare_data(spec)  # build the tokenizer and token cache once, before the ranks start
     path = Path(spec.job.run_dir) / "launch.json"
     write_spec(spec, path)
-    logs = Path(spec.job.run_dir) / "logs"
-    clear_rank_errors(logs)
-    logs.mkdir(parents=True, exist_ok=True)
-    argv = torchrun_argv(spec.job.nproc, ["zeal.cli.main", "train", "--spec", str(path)], module=True,
-                         runner="zeal.cli.quiet_torchrun")
-    env = child_env(spec.job.nproc)
-    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's deprecation notices, once per rank
-    env["ZEAL_TORCHRUN_LOG"] = str(logs / "torchrun.log")
-    env["ZEAL_FORENSICS_DIR"] = str(logs)  # where a rank whose collective timed out leaves its records
-    rc = subprocess.call(argv, env=env)
+    rc = launch_ranks(["zeal.cli.main", "train", "--spec", str(path)], spec.job.nproc, prog="zeal train",
+                      log_dir=Path(spec.job.run_dir) / "logs")
     if rc != 0:
-        if any(logs.glob("collectives-rank*.json")):
-            from zeal.dist.forensics import report
-
-            print(report(logs), file=sys.stderr)
-        print(failure_line(logs, rc, "zeal train", logs / "torchrun.log"), file=sys.stderr)
         raise SystemExit(rc)
     return 0

@@ -9,7 +9,7 @@ and a short frame walk per call.
 
 When a collective fails (gloo and NCCL raise when the process group's timeout expires,
 ``comm_timeout_s`` / ``ZEAL_COMM_TIMEOUT_S``), the rank writes its ring buffer as
-``collectives-rank<N>.json`` into ``ZEAL_FORENSICS_DIR`` (``zeal train`` sets it to
+``collectives-rank<N>.json`` into ``ZEAL_FORENSICS_DIR`` (the launcher, :mod:`zeal.dist.launch`, sets it to
 ``RUN/logs``; default: ``<tmp>/zeal-forensics``). :func:`report` reads every rank's file
 and names the first sequence position, per group, where the ranks disagree: the op, the
 group, and the rank(s) that skipped it (or issued something else there).

@@ -38,7 +38,6 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -289,12 +288,6 @@ def join_tensor_parallel(size: int) -> TensorParallelGroup:
     return TensorParallelGroup(build_mesh(ctx, tp=size))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None] | None = None
                           ) -> TensorParallelGroup:
     """Rank 0 of a new group: start ranks 1..size-1 as ``python -m zeal.inference.tp_worker
@@ -302,16 +295,15 @@ def spawn_tensor_parallel(size: int, spec: dict, on_death: Callable[[str], None]
     torchrun's variables, and join them. The CPU threads are shared out between the ranks."""
     from zeal.dist.context import init_distributed
     from zeal.dist.forensics import comm_timeout_s
+    from zeal.dist.launch import free_port, rank_env
     from zeal.dist.mesh import build_mesh
 
     timeout = datetime.timedelta(seconds=comm_timeout_s(None))
-    port = _free_port()
+    port = free_port()
     threads = max(1, torch.get_num_threads() // size)
     procs = []
     for r in range(1, size):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-               "WORLD_SIZE": str(size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(size),
-               "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, **rank_env(r, size, port, threads=threads)}
         procs.append(subprocess.Popen([sys.executable, "-m", "zeal.inference.tp_worker", json.dumps(spec)], env=env))
     torch.set_num_threads(threads)
     joined = threading.Event()
