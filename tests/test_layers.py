@@ -54,11 +54,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # models → compression: loading a compressed-tensors folder dequantizes it.
     # Out: the decompressor registered by compression, or hf.py's loader moved up.
     ("zeal.models.hf", "zeal.compression.export"): "compressed-tensors folders dequantized on load",
-    # zero → moe: ZeRO builds the experts' own units and reducer over the expert-data group.
-    # Out: apply_zero takes parameter groups, each with its own Comm (issue 32).
-    ("zeal.zero.apply", "zeal.moe.layer"): "expert parameters found by ZeRO",
-    ("zeal.zero.apply", "zeal.moe.zero"): "expert units and reducer",
-    ("zeal.zero.sharded_state", "zeal.moe.layer"): "expert parameters' boxes over the edp group",
     # pipe → train: PipelineEngine is a TrainEngine for one stage (train/build.py builds it).
     # Out: pipe/engine.py moves into train/.
     ("zeal.pipe.engine", "zeal.train.engine"): "PipelineEngine subclasses TrainEngine",

@@ -60,7 +60,7 @@ def _train(rank: int, world: int, stage: int, k: int, skew: bool) -> dict:
         losses.append(float(loss.detach()))
         stats = engine.comm_stats()["last_step"]
         a2a.append((stats["by_op"].get("all_to_all/moe", {}).get("bytes", 0), moe.gate_capacity))
-    experts = [u for u in engine._p.units if u.expert]
+    experts = [u for u in engine._p.units if u.comm_group]  # the expert CommGroup's units
     return {"losses": losses, "a2a": a2a, "state": _state(engine), "start": start,
             "ep_rank": engine.mesh.ep_rank, "steps": engine.global_steps, "edp": engine.mesh.edp_size,
             "expert_bytes": sum(u.nbytes_shard() if u.partitioned else u.padded * 4 for u in experts),

@@ -156,3 +156,27 @@ def test_deepspeed_import_path_and_param_groups():
     assert [len(g["params"]) for g in groups] == [1, 4]  # router | 2 experts x (weight, bias)
     assert groups[1]["moe"] and groups[1]["lr"] == 0.1
     assert all(deepspeed.moe.utils.is_moe_param(p) for p in groups[1]["params"])
+
+
+def _unbound_forward(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from zeal.dist.context import init_distributed
+
+    init_distributed()
+    moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, k=1)  # after init: sliced
+    groups = dist.distributed_c10d._world.group_count
+    try:
+        moe(torch.randn(3, 8))
+    except RuntimeError as e:
+        assert dist.distributed_c10d._world.group_count == groups  # no process group was built
+        return str(e)
+    return "ran"
+
+
+@pytest.mark.timeout(120)
+def test_an_unbound_expert_parallel_layer_builds_no_group_and_says_how_to_bind():
+    from tests.dist_harness import run_ranks
+
+    for msg in run_ranks(_unbound_forward, 2):
+        assert "not bound" in msg and "apply_moe" in msg, msg

@@ -120,13 +120,13 @@ def norm_check(engine) -> float:
 
     zopt = engine._p.zero_optimizer
     grads = [torch.zeros_like(m) for m in zopt.masters]
-    segs = [(i, lo, split) for i, unit_segs in enumerate(zopt.tp_norm.segments) for lo, _, split in unit_segs]
+    segs = [(i, lo, split) for i, unit_segs in enumerate(zopt.grad_norm.segments) for lo, _, split in unit_segs]
     i, lo, _ = next(x for x in segs if x[2])
     if engine.tensor_parallel.rank == 1:
         grads[i].view(-1)[lo] = 3.0
     j, lo2, _ = next(x for x in segs if not x[2])
     grads[j].view(-1)[lo2] = 2.0
-    _, norm = unscale_check_clip(grads, engine.mesh.dp, zopt.stage, None, 1.0, zopt.tp_norm)
+    _, norm = unscale_check_clip(grads, engine.mesh.dp, zopt.stage, None, 1.0, zopt.grad_norm)
     assert float(grads[j].view(-1)[lo2]) == pytest.approx(2.0 / 13 ** 0.5, rel=1e-5)  # clipped by that norm
     return norm
 

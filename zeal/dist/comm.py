@@ -109,6 +109,11 @@ class Comm:
         LOG.rank = ctx.rank
 
     @property
+    def rank(self) -> int:
+        """This process's position in the group (its index in ``ranks``)."""
+        return self._me
+
+    @property
     def active(self) -> bool:
         return self.size > 1 and self.group is not None
 

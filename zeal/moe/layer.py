@@ -9,13 +9,14 @@ Experts are named by their GLOBAL index: this rank's experts are
 ``deepspeed_moe.experts.deepspeed_experts.<g>`` for ``g`` in
 ``[ep_rank · E_local, (ep_rank + 1) · E_local)``, so a single-process state dict loads
 into any ep rank with ``strict=False``. Expert parameters carry DeepSpeed's markers
-(``allreduce = False``, ``group_name = "ep_size_<n>"``), which ZeRO reads to reduce their
-gradients over the expert-data group only.
+(``allreduce = False``, ``group_name = "ep_size_<n>"``), which :mod:`zeal.moe.zero` turns
+into the CommGroup ZeRO reduces their gradients over (the expert-data group only).
 
 The layer holds all E experts until it is bound to an ep group (:meth:`MoE.bind`, done
-by ``zeal.initialize`` through :func:`zeal.moe.apply_moe`); built after
-``torch.distributed.init_process_group`` it keeps only this rank's experts at once and
-creates its ep group at the first forward.
+by ``zeal.initialize`` through :func:`zeal.moe.apply_moe`, with the mesh's ep group);
+built after ``torch.distributed.init_process_group`` it keeps only this rank's experts at
+once. The layer never builds a process group itself: an ep layer that was not bound
+refuses to run.
 """
 
 from __future__ import annotations
@@ -38,8 +39,6 @@ from zeal.moe.dispatch import (
 from zeal.moe.gating import TopKGate
 from zeal.moe.mappings import drop_tokens, gather_tokens, padded_capacity
 from zeal.moe.recompute import exchange
-
-_DEFAULT_MESHES: dict[int, object] = {}  # ep size -> the mesh of layers bound at their first forward
 
 
 def is_expert_param(p: nn.Parameter) -> bool:
@@ -193,24 +192,12 @@ class MoE(nn.Module):
         self.deepspeed_moe.bound = True
         return dropped
 
-    def _bind_default(self) -> None:
-        """First forward of a layer built after ``init_process_group`` and never bound:
-        create the ep groups of the default layout (collective: every rank's first forward)."""
-        from zeal.dist.context import init_distributed
-        from zeal.dist.mesh import build_mesh
-
-        mesh = _DEFAULT_MESHES.get(self.ep_size)
-        if mesh is None:  # one set of groups per ep size, shared by the layers
-            mesh = _DEFAULT_MESHES[self.ep_size] = build_mesh(init_distributed(), ep=self.ep_size)
-        self.bind(mesh.ep, mesh.ep_rank)
-
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None):
         """Returns ``(output, l_aux, exp_counts)`` as DeepSpeed's layer does."""
-        if not self.deepspeed_moe.bound:
-            if self._sliced_for is None:
-                raise RuntimeError(f"MoE layer with ep_size={self.ep_size} is not bound to an expert-parallel "
-                                   "group: use zeal.initialize, or build it after init_process_group")
-            self._bind_default()
+        if not self.deepspeed_moe.bound:  # the groups come from the one mesh, never from here
+            raise RuntimeError(f"MoE layer with ep_size={self.ep_size} is not bound to an expert-parallel group: "
+                               "train it through zeal.initialize (or deepspeed.initialize), or bind it with "
+                               "zeal.moe.apply_moe(model, mesh) where mesh = zeal.dist.build_mesh(ep=...)")
         out = self.deepspeed_moe(hidden_states, used_token)
         if self.use_residual:
             dense = self.mlp(hidden_states)

@@ -18,9 +18,11 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    layer keeps this rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's
    MoE ``ep_size``) — each changes the modules before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
-   data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
-   returns step hooks the engine runs around backward and step;
-7. ``apply_offload``: the optimizer over fp32 masters, on the device, the CPU or NVMe;
+   data-parallel Comm (MoE's expert parameters over ``mesh.edp``, handed in as a
+   CommGroup), gradient reduction and (stage 3) the gather coordinator — it returns step
+   hooks the engine runs around backward and step;
+7. ``apply_offload``: the optimizer over fp32 masters, on the device, the CPU or NVMe
+   (with tensor parallelism's grad-norm object);
 
 then the LR schedule and the data loader (sharded over the data-parallel ranks).
 """
@@ -44,6 +46,7 @@ from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
 from zeal.moe.apply import apply_moe, model_ep_size
 from zeal.moe.layout import set_global_layout
+from zeal.moe.zero import expert_comm_group
 from zeal.parallel.norm import TPGradNorm
 from zeal.parallel.rng import apply_rng_regions
 from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
@@ -121,11 +124,13 @@ def initialize(
         init = init_full_then_slice(init, model, tp)
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
     groups = [[p for p in g if id(p) not in dropped] for g in groups]
-    zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
+    experts = expert_comm_group(model, mesh)  # MoE: expert parameters live over the expert-data group
+    zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed,
+                      comm_groups=[experts] if experts is not None else None)
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
-    zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
-    if tp is not None:
-        zopt.tp_norm = TPGradNorm(tp, zopt.units, zero.stage)
+    # tensor parallelism: split parameters' squared gradient norms are summed over tp
+    grad_norm = TPGradNorm(tp, [u for u in zero.units if u.trainable], zero.stage) if tp is not None else None
+    zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler, grad_norm)
     for group, options in zip(zopt.optimizer.param_groups, client_groups.param_groups if client_groups else []):
         group.update({k: v for k, v in options.items() if k != "params"})  # per-group lr, weight decay ...
 
@@ -141,7 +146,7 @@ def initialize(
         loader.data_sampler = sampler  # DeepSpeed's name (scripts call data_sampler.set_epoch)
     mesh.stats.step.clear()
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
-                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp)
+                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp, zero.comm_groups)
     engine = TrainEngine(parts) if stage is None else PipelineEngine(parts, stage, cfg.pipeline_parallel.schedule)
     for hook in zero.hooks:
         engine.register_step_hook(hook)

@@ -16,7 +16,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,6 +64,7 @@ class EngineParts:
     micro_batch: int
     grad_accum: int
     tensor_parallel: Any = None  # zeal.parallel.TensorParallel, or None
+    comm_groups: list = field(default_factory=list)  # zeal.zero.groups.CommGroup: parameters not over mesh.dp
 
 
 class TrainEngine:

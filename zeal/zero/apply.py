@@ -8,13 +8,17 @@
    are written there as they are materialised);
 2. gradient reduction (overlapped with backward) and, for stage 3, the parameter
    coordinator (gather/release/prefetch hooks), registered as step hooks.
+
+Parameters that live on a sub-group of the data-parallel ranks come as
+:class:`~zeal.zero.groups.CommGroup` s, each with its own Comm (the caller says which
+parameters and why): their units, broadcasts, gathers and reductions use that Comm.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,17 +27,8 @@ from zeal.config import ConfigError
 from zeal.config.schema import ZeroConfig
 from zeal.dist.comm import Comm
 from zeal.dist.mesh import Mesh
-from zeal.moe.layer import is_expert_param
-from zeal.moe.zero import (
-    ExpertSplitCollectives,
-    ExpertSplitReducer,
-    build_expert_units,
-    expert_buffer_ids,
-    mark_expert_units,
-    partitioned_expert_split,
-    split_expert_groups,
-)
 from zeal.zero.grad_sync import GradReducer
+from zeal.zero.groups import CommGroup, RoutedCollectives, RoutedReducer, comm_of, group_index, split_groups
 from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.stages import ZeroStage, resolve_stage
@@ -50,14 +45,16 @@ from zeal.zero.zeropp import UnitCollectives, topology
 @dataclass
 class ZeroParts:
     """What the ZeRO step adds: the units, the stage's strategy, where shards live, the
-    reducer, the stage-3 coordinator (None below stage 3) and the step hooks to register."""
+    reducer, the stage-3 coordinator (None below stage 3), the step hooks to register and
+    the CommGroups it was given."""
 
     stage: ZeroStage
     units: list[FlatUnit]
     home: MemoryShards | DiskShards
-    reducer: GradReducer
+    reducer: GradReducer | RoutedReducer
     coordinator: ParamCoordinator | None
     hooks: list[object]
+    comm_groups: list[CommGroup] = field(default_factory=list)
 
 
 class ReducerHooks:
@@ -104,19 +101,29 @@ class CoordinatorHooks:
 
 
 def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype, groups: list[list[nn.Parameter]],
-               group_of: dict[int, int], init: Callable[[nn.Module], None], seed: int) -> ZeroParts:
-    """Partition ``model`` over ``mesh.dp`` as ``zc.stage`` says; see the module docstring."""
+               group_of: dict[int, int], init: Callable[[nn.Module], None], seed: int,
+               comm_groups: list[CommGroup] | None = None) -> ZeroParts:
+    """Partition ``model`` over ``mesh.dp`` as ``zc.stage`` says, and each of ``comm_groups``
+    over its own Comm; see the module docstring."""
     stage = resolve_stage(zc.stage)
     comm = mesh.dp
+    cgs = list(comm_groups or [])
     home: MemoryShards | DiskShards = MemoryShards()
     needs = None
     with torch.no_grad():
         if not stage.partitions_params:
-            units = _replicated_layout(model, zc, comm, mesh, dtype, groups, init, seed)
+            units = _replicated_layout(model, zc, comm, mesh, dtype, groups, init, seed, cgs)
         else:
+            def placement(p: nn.Parameter) -> tuple[int, int, int]:
+                i = group_index(cgs, p)
+                c = cgs[i - 1].comm if i else comm
+                return i, c.rank if i else mesh.dp_rank, c.size if i else mesh.dp_size
+
             units, needs = build_module_units(model, group_of, mesh.dp_rank, mesh.dp_size, dtype, mesh.device,
-                                              experts=partitioned_expert_split(mesh.edp_rank, mesh.edp_size))
-            mark_expert_units(units, mesh.edp)  # MoE: expert units sharded over edp
+                                              placement=placement if cgs else None)
+            for u in units:  # a group's units are sharded over its Comm
+                if u.comm_group:
+                    u.comm = cgs[u.comm_group - 1].comm
             replace_meta_parameters(model, units)
             op = zc.offload_param
             if op.device == "nvme":  # ZeRO-Infinity: parameter shards live in swap files
@@ -130,47 +137,51 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
                     u.refresh_shard_from_full()
                 u.free_full()
                 home.adopt(u)
-        expert_buffers = expert_buffer_ids(model)
         for b in model.buffers():
-            (mesh.edp if id(b) in expert_buffers else comm).broadcast(b, 0, "init")
+            comm_of(cgs, comm, b, buffer=True).broadcast(b, 0, "init")
 
     coordinator = coll = None
     hooks: list[object] = []
     if stage.partitions_params:
         coll = UnitCollectives(comm, zc, topology(mesh), home)
-        if any(u.expert for u in units):  # MoE: expert units gathered over edp
-            coll = ExpertSplitCollectives(coll, UnitCollectives(mesh.edp, zc, None, home))
+        if cgs:  # each group's units gathered over its Comm
+            coll = RoutedCollectives([coll] + [UnitCollectives(g.comm, zc, None, home) for g in cgs])
         coordinator = ParamCoordinator(
             model, units, needs, coll, zc.stage3_param_persistence_threshold, zc.stage3_prefetch_bucket_size,
             zc.stage3_max_reuse_distance, zc.stage3_max_live_parameters)
-    reducer = GradReducer([u for u in units if not u.expert], comm, stage.grad_mode, overlap=zc.overlap_comm,
-                          max_inflight_elems=zc.reduce_bucket_size,
-                          on_grads_taken=coordinator.on_grads_taken if coordinator else None,
+    on_grads_taken = coordinator.on_grads_taken if coordinator else None
+    reducer = GradReducer([u for u in units if not u.comm_group], comm, stage.grad_mode, overlap=zc.overlap_comm,
+                          max_inflight_elems=zc.reduce_bucket_size, on_grads_taken=on_grads_taken,
                           scatter=coll.reduce_scatter if coll else None)
-    if any(u.expert for u in units):  # MoE: expert gradients reduced over edp only
-        reducer = ExpertSplitReducer(reducer, GradReducer(
-            [u for u in units if u.expert], mesh.edp, stage.grad_mode, overlap=zc.overlap_comm,
-            max_inflight_elems=zc.reduce_bucket_size, mean_over=mesh.dp_size,
-            on_grads_taken=coordinator.on_grads_taken if coordinator else None), mesh.ep)
+    if cgs:  # each group's gradients reduced over its Comm, averaged over its mean_over ranks
+        reducer = RoutedReducer([reducer] + [GradReducer(
+            [u for u in units if u.comm_group == i], g.comm, stage.grad_mode, overlap=zc.overlap_comm,
+            max_inflight_elems=zc.reduce_bucket_size, mean_over=g.mean_over, on_grads_taken=on_grads_taken)
+            for i, g in enumerate(cgs, start=1)],
+            [(i, g.spread) for i, g in enumerate(cgs, start=1) if g.spread is not None])
     hooks.append(ReducerHooks(reducer))
     if coordinator is not None:
         hooks.append(CoordinatorHooks(coordinator))
-    return ZeroParts(stage, units, home, reducer, coordinator, hooks)
+    return ZeroParts(stage, units, home, reducer, coordinator, hooks, cgs)
 
 
 def _replicated_layout(model: nn.Module, zc: ZeroConfig, comm: Comm, mesh: Mesh, dtype: torch.dtype,
                        groups: list[list[nn.Parameter]], init: Callable[[nn.Module], None],
-                       seed: int) -> list[FlatUnit]:
-    """Stages 0–2: every rank holds whole units (buckets); frozen parameters stay outside
-    them, replicated in the compute dtype."""
+                       seed: int, cgs: list[CommGroup]) -> list[FlatUnit]:
+    """Stages 0–2: every rank holds whole units (buckets; each CommGroup's after ZeRO's own,
+    sharded over its Comm); frozen parameters stay outside them, replicated in the compute dtype."""
     for p in model.parameters():
         if not p.requires_grad:
             p.data = (torch.empty(p.shape, device=mesh.device, dtype=dtype) if p.is_meta
                       else p.data.to(device=mesh.device, dtype=dtype))
-    groups, expert_groups = split_expert_groups(groups)
-    units = build_bucket_units(model, groups, zc.reduce_bucket_size, mesh.dp_rank, mesh.dp_size, dtype, mesh.device)
-    units += build_expert_units(model, expert_groups, zc.reduce_bucket_size, mesh.edp, mesh.edp_rank, len(units),
-                                dtype, mesh.device)
+    own, *by_group = split_groups(groups, cgs)
+    units = build_bucket_units(model, own, zc.reduce_bucket_size, mesh.dp_rank, mesh.dp_size, dtype, mesh.device)
+    for i, (g, gparams) in enumerate(zip(cgs, by_group), start=1):
+        more = build_bucket_units(model, gparams, zc.reduce_bucket_size, g.comm.rank, g.comm.size, dtype, mesh.device)
+        for u in more:  # indices follow the units before them
+            u.index += len(units)
+            u.comm, u.comm_group = g.comm, i
+        units += more
     replace_meta_parameters(model, units)
     if any(u.needs_init for u in units):
         _materialize_all(model, units, init, seed)
@@ -178,7 +189,7 @@ def _replicated_layout(model: nn.Module, zc: ZeroConfig, comm: Comm, mesh: Mesh,
         (u.comm or comm).broadcast(u.full, 0, "init")
     for p in model.parameters():
         if not p.requires_grad:
-            (mesh.edp if is_expert_param(p) else comm).broadcast(p.data, 0, "init")
+            comm_of(cgs, comm, p).broadcast(p.data, 0, "init")
     return units
 
 

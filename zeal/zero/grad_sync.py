@@ -55,7 +55,7 @@ class GradReducer:
         self.on_grads_taken = on_grads_taken
         # how a complete flat gradient is reduce-scattered (ZeRO++ swaps in qgZ)
         self._scatter = scatter or (lambda out, flat: comm.reduce_scatter(out, flat, "grad", async_op=True))
-        self.world = mean_over or comm.size  # reduced_grad divides by it (MoE experts: the dp size)
+        self.world = mean_over or comm.size  # reduced_grad divides by it (a CommGroup's mean_over)
         self.full_grads: dict[int, torch.Tensor] = {}
         self.acc: dict[int, torch.Tensor] = {}       # summed shard per unit (stage 1: at boundary; 2/3: accumulated)
         self._flat: dict[int, torch.Tensor] = {}     # transient flat grads (scatter_every_step)

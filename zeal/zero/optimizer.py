@@ -16,7 +16,7 @@ tied parameters live in one unit, so nothing is counted twice).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,43 +30,44 @@ from zeal.zero.units import FlatUnit
 
 
 def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, scaler: LossScaler | None,
-                       clip: float, tp_norm: Any = None, across: Comm | None = None,
-                       experts: list[bool] | None = None, ep: Comm | None = None) -> tuple[bool, float]:
+                       clip: float, grad_norm: GradNorm | None = None, across: Comm | None = None,
+                       spread: list[tuple[list[bool], Comm]] | None = None) -> tuple[bool, float]:
     """Unscale (fp16), detect overflow on any rank, clip by the global norm — in place.
     Returns (step may proceed, global norm before clipping; inf on overflow).
     Stage 0 holds the whole mean gradient on every rank, so its norm needs no
-    communication; stages 1–3 sum squared shard norms over ranks. Under tensor
-    parallelism ``tp_norm`` (a :class:`~zeal.parallel.norm.TPGradNorm`) gives the local
-    squared norm with split parameters summed over tp, and spreads overflows over tp.
+    communication; stages 1–3 sum squared shard norms over ranks. ``grad_norm`` (a
+    :class:`GradNorm`, e.g. tensor parallelism's) gives this rank's squared norm when the
+    plain sum of squares is not it, and spreads overflow flags over the ranks it spans.
     ``across`` (the pipeline stages, each holding other parameters) sums the flag and the
-    norm over it too. MoE: ``experts`` flags the expert gradients; at stage 0 their squared
-    norms are summed over ``ep`` (each rank holds whole local experts), at stages 1–2 the
-    dp sum already covers every expert shard once (dp = ep × edp)."""
+    norm over it too. ``spread``: ``(flags, Comm)`` for gradients of a CommGroup
+    (:mod:`zeal.zero.groups`): at stage 0 their squared norms are summed over the Comm
+    (its ranks hold the group's other parameters); at stages 1–3 the dp sum covers them."""
     if scaler is not None:
         inv = 1.0 / scaler.scale
         for g in grads:
             g.mul_(inv)
         bad = any(not torch.isfinite(g).all() for g in grads)
         bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
-        if tp_norm is not None:
-            bad = tp_norm.any(bad)
+        if grad_norm is not None:
+            bad = grad_norm.any(bad)
         if across is not None:
             bad = across.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
         scaler.update(bad)
         if bad:
             return False, float("inf")
     # per-tensor fp32 norms (no full-size temporaries), summed in double
-    if tp_norm is not None:
-        sq = tp_norm.sq(grads)
-        if ep is not None and ep.active and experts is not None and not stage.norm_needs_reduce():
-            expert_sq = tp_norm.sq([g if e else g.new_empty(0) for g, e in zip(grads, experts)])
-            sq = sq - expert_sq + ep.all_reduce_scalar(expert_sq, "sum")  # stage 0: whole local experts
+    if grad_norm is not None:
+        sq = grad_norm.sq(grads)
+        for flags, over in (spread or []) if not stage.norm_needs_reduce() else []:
+            if over.active:  # stage 0: each rank holds only its share of the group's parameters
+                part = grad_norm.sq([g if f else g.new_empty(0) for g, f in zip(grads, flags)])
+                sq = sq - part + over.all_reduce_scalar(part, "sum")
     else:
         sqs = [float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads]
         sq = sum(sqs)
-        if ep is not None and experts is not None and not stage.norm_needs_reduce():
-            expert_sq = sum(s for s, e in zip(sqs, experts) if e)
-            sq = sq - expert_sq + ep.all_reduce_scalar(expert_sq, "sum")
+        for flags, over in (spread or []) if not stage.norm_needs_reduce() else []:
+            part = sum(s for s, f in zip(sqs, flags) if f)
+            sq = sq - part + over.all_reduce_scalar(part, "sum")
     if stage.norm_needs_reduce():
         sq = comm.all_reduce_scalar(sq, "sum")
     if across is not None:
@@ -80,12 +81,29 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
     return True, norm
 
 
+def spread_flags(opt: Any) -> list[tuple[list[bool], Comm]]:
+    """``unscale_check_clip``'s ``spread`` for an optimizer's units and reducer."""
+    return [([u.comm_group == i for u in opt.units], over) for i, over in getattr(opt.reducer, "spread", [])]
+
+
+class GradNorm(Protocol):
+    """This rank's squared gradient norm when it is not the plain sum of squares (tensor
+    parallelism: split parameters summed over tp), and overflow flags spread over the
+    ranks it spans. Given to the optimizer at construction."""
+
+    def sq(self, grads: list[torch.Tensor]) -> float: ...
+
+    def any(self, flag: bool) -> bool: ...
+
+
 class ZeroOptimizer:
-    """Owns masters and the inner ``torch.optim`` optimizer (exposed as ``.optimizer``)."""
+    """Owns masters and the inner ``torch.optim`` optimizer (exposed as ``.optimizer``).
+    ``grad_norm``: see :func:`unscale_check_clip` (None: the plain sum of squares)."""
 
     def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  inner: torch.optim.Optimizer, clip: float, scaler: LossScaler | None,
-                 home: MemoryShards | DiskShards | None = None, master_device: torch.device | None = None) -> None:
+                 home: MemoryShards | DiskShards | None = None, master_device: torch.device | None = None,
+                 grad_norm: GradNorm | None = None) -> None:
         self.units = [u for u in units if u.trainable]
         self.reducer, self.comm, self.stage = reducer, comm, resolve_stage(stage)
         self.clip, self.scaler = clip, scaler
@@ -104,7 +122,7 @@ class ZeroOptimizer:
             self.masters.append(m)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
-        self.tp_norm: Any = None  # set under tensor parallelism (zeal.parallel.norm.TPGradNorm)
+        self.grad_norm = grad_norm
         self.across: Comm | None = None  # pipeline stages: see unscale_check_clip
 
     def bind(self, groups: list[dict]) -> None:
@@ -123,8 +141,7 @@ class ZeroOptimizer:
             m.grad = g.to(device=m.device, dtype=torch.float32)
         grads = [m.grad for m in self.masters]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
-                                                         self.tp_norm, self.across, [u.expert for u in self.units],
-                                                         getattr(self.reducer, "ep", None))
+                                                         self.grad_norm, self.across, spread_flags(self))
         if not ok:
             self.skipped_steps += 1
             self._drop_grads()

@@ -8,9 +8,9 @@ of the data-parallel group the owned boxes tile every parameter exactly once, wh
 the stage: a saver writes each element once. Under tensor parallelism a split
 parameter's boxes are this rank's slice of the *global* tensor (so a checkpoint saved at
 TP 2 loads at TP 1), and a replicated one is owned by tp rank 0 (held by every tp rank):
-the owned boxes then tile every parameter once over the whole world. An MoE expert
-(named by its global index) is held by its expert-data group only and its boxes are
-partitioned over that group, so over the world every expert is again owned once.
+the owned boxes then tile every parameter once over the whole world. A parameter of a
+CommGroup (:mod:`zeal.zero.groups`) is held by that group's ranks only and its boxes are
+partitioned over that group, so over the world it is again owned once.
 
 ZeRO partitions the *flat* buffer of a unit of parameters, so a rank's shard of one
 parameter is a flat range of the flattened parameter. It is described here by the boxes
@@ -44,7 +44,7 @@ from torch import nn
 
 from zeal.dist.agree import first_error
 from zeal.dist.comm import Comm
-from zeal.moe.layer import is_expert_param
+from zeal.zero.groups import comm_of
 from zeal.zero.partition import padded_size, shard_range, slot_overlap
 from zeal.zero.slices import Box, box_numel, box_shape, flat_range_boxes, flat_start, full_box, index
 
@@ -128,15 +128,14 @@ class _Parts:
     world: int
     tp: Any = None  # zeal.parallel.TensorParallel, or None
     agree: Comm | None = None  # state_comm: where errors are agreed
-    edp_rank: int = 0  # MoE: an expert is held by its expert-data group only (dp = ep x edp)
-    edp_world: int = 1
+    comm_groups: list = field(default_factory=list)  # CommGroups: parameters held by a sub-group
 
 
 def _parts(engine: Any) -> _Parts:
     p, mesh = engine._p, engine.mesh
     return _Parts(engine.module, p.units, p.zero_optimizer, p.coordinator, p.scaler, dp_comm(engine),
                   mesh.dp_rank, mesh.dp_size, getattr(engine, "tensor_parallel", None),
-                  state_comm(engine), mesh.edp_rank, mesh.edp_size)
+                  state_comm(engine), getattr(p, "comm_groups", []))
 
 
 @contextlib.contextmanager
@@ -242,7 +241,8 @@ def _targets(parts: _Parts, owned: bool) -> Iterator[_Target]:
                                   box_shape(box), sub)
     for n, q in _loose(parts):
         if owned:  # shared by the flat partition of the parameter, as units are
-            rank, world = (parts.edp_rank, parts.edp_world) if is_expert_param(q) else (parts.rank, parts.world)
+            c = comm_of(parts.comm_groups, None, q)  # a CommGroup's parameter is shared over its Comm
+            rank, world = (c.rank, c.size) if c is not None else (parts.rank, parts.world)
             lo, hi = shard_range(padded_size(q.numel(), world), rank, world)
             boxes = flat_range_boxes(q.shape, min(lo, q.numel()), min(hi, q.numel()))
         else:
@@ -272,7 +272,7 @@ def _optimizer_views(opt: Any, t: _Target) -> tuple[dict[str, torch.Tensor], dic
 # -- the API --------------------------------------------------------------------------------------
 def param_infos(engine: Any) -> dict[str, ParamInfo]:
     """Every parameter of the whole model with its *global* shape, as a checkpoint
-    describes it: the engine's ``global_params`` (pipeline stages, expert parallelism),
+    describes it: the engine's ``global_params`` (set by the apply-steps that split the model across ranks: pipeline stages, ...),
     else this rank's parameters with the global shape of each tensor-parallel split.
     Communicates nothing; reads no offloaded state."""
     whole = getattr(engine, "global_params", None)

@@ -20,7 +20,7 @@ from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.offload import CPUAdam, SwappedAdam, check_swap_path
 from zeal.zero.offload.swap import OPTIMIZER_PATH_KEY
-from zeal.zero.optimizer import unscale_check_clip
+from zeal.zero.optimizer import GradNorm, spread_flags, unscale_check_clip
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.stages import ZeroStage, gather_replicated, resolve_stage
 from zeal.zero.units import FlatUnit
@@ -37,7 +37,8 @@ class LrGroups:
 class SwappedZeroOptimizer:
     def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  opt_type: str, opt_params: dict, clip: float, scaler: LossScaler | None,
-                 home: MemoryShards | DiskShards, nvme_path: str, sub_group_size: int, buffer_count: int) -> None:
+                 home: MemoryShards | DiskShards, nvme_path: str, sub_group_size: int, buffer_count: int,
+                 grad_norm: GradNorm | None = None) -> None:
         if opt_type not in ("Adam", "AdamW"):
             raise ValueError(f"zero_optimization.offload_optimizer.device 'nvme' supports Adam and AdamW, "
                              f"not {opt_type!r}")
@@ -67,7 +68,7 @@ class SwappedZeroOptimizer:
         self.optimizer = LrGroups(lr)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
-        self.tp_norm = None  # set under tensor parallelism (zeal.parallel.norm.TPGradNorm)
+        self.grad_norm = grad_norm  # see zeal.zero.optimizer.unscale_check_clip
         self.last_stats = None
         self._staging: dict[int, torch.Tensor] = {}
         self.masters: list[torch.Tensor] = []  # only inside load_into_memory()
@@ -75,7 +76,8 @@ class SwappedZeroOptimizer:
     def step(self) -> bool:
         grads = [self.reducer.reduced_grad(u) for u in self.units]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
-                                                         self.tp_norm, getattr(self, "across", None))
+                                                         self.grad_norm, getattr(self, "across", None),
+                                                         spread_flags(self))
         if not ok:
             self.skipped_steps += 1
             return False

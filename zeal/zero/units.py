@@ -39,8 +39,8 @@ class FlatUnit:
         self.trainable = self.params[0].requires_grad
         self.group = group
         self.persistent = False  # ZeRO-3: kept gathered (small units)
-        self.expert = False  # MoE expert parameters (zeal.moe.zero): sharded over ``comm``
-        self.comm = None  # the Comm this unit is sharded over when not ZeRO's dp Comm (experts: edp)
+        self.comm_group = 0  # 1 + index of its CommGroup (zeal.zero.groups), 0: ZeRO's dp Comm
+        self.comm = None  # the Comm this unit is sharded over when not ZeRO's dp Comm (its CommGroup's)
         self.needs_init = any(p.is_meta for p in self.params)
         # A partitioned unit built from meta parameters gets no storage until it is
         # materialised, so building a model never holds more than one unit whole.
@@ -154,17 +154,17 @@ def _coalesced_blocks(model: nn.Module, max_elems: int) -> dict[nn.Module, nn.Mo
 def build_module_units(
     model: nn.Module, group_of: dict[int, int], rank: int, world: int, dtype: torch.dtype,
     device: torch.device, coalesce_block_elems: int = COALESCE_BLOCK_ELEMS,
-    experts: tuple[Callable[[nn.Parameter], bool], int, int] | None = None,
+    placement: Callable[[nn.Parameter], tuple[int, int, int]] | None = None,
 ) -> tuple[list[FlatUnit], dict[nn.Module, list[FlatUnit]]]:
     """Stage 3: one unit per module and (trainable, group) for the parameters it
     registers directly, in module order; a small repeated block (see
     ``COALESCE_BLOCK_ELEMS``) is one module here, with all the parameters of its
     subtree. A parameter shared by several modules (tied weights) belongs to the
     first; every module that registers it needs that unit, which the returned
-    ``module → units`` map records (hooks go on exactly these modules). ``experts`` =
-    ``(is_expert, rank, world)``: parameters for which ``is_expert`` holds get units of
-    their own (``unit.expert``), sharded over that other group (MoE: the expert-data
-    group, whose Comm the caller sets as ``unit.comm``)."""
+    ``module → units`` map records (hooks go on exactly these modules). ``placement(p)``
+    = ``(comm_group, rank, world)``: parameters of a CommGroup (comm_group > 0,
+    :mod:`zeal.zero.groups`) get units of their own (``unit.comm_group``), sharded over
+    that group (whose Comm the caller sets as ``unit.comm``)."""
     names = _param_names(model)
     root_of = _coalesced_blocks(model, coalesce_block_elems)
     owner: dict[int, FlatUnit] = {}
@@ -177,15 +177,15 @@ def build_module_units(
         direct = [p for _, p in mod.named_parameters(recurse=root is mod)]
         if not direct:
             continue
-        fresh: dict[tuple[bool, int, bool], list[tuple[str, nn.Parameter]]] = {}
+        fresh: dict[tuple[bool, int, tuple[int, int, int]], list[tuple[str, nn.Parameter]]] = {}
         for p in direct:
             if id(p) not in owner:
-                key = (p.requires_grad, group_of.get(id(p), 0), experts is not None and experts[0](p))
+                where = placement(p) if placement is not None else (0, rank, world)
+                key = (p.requires_grad, group_of.get(id(p), 0), where)
                 fresh.setdefault(key, []).append((names[id(p)], p))
-        for (_, g, expert), named in fresh.items():
-            r, w = (experts[1], experts[2]) if expert else (rank, world)
+        for (_, g, (cg, r, w)), named in fresh.items():
             u = FlatUnit(len(units), named, r, w, dtype, device, partitioned=True, group=g)
-            u.expert = expert
+            u.comm_group = cg
             units.append(u)
             for _, p in named:
                 owner[id(p)] = u

@@ -21,15 +21,17 @@ from zeal.config.schema import check_optimizer_params
 from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.apply import ZeroParts, rank_folder
-from zeal.zero.optimizer import ZeroOptimizer
+from zeal.zero.optimizer import GradNorm, ZeroOptimizer
 from zeal.zero.swapped_optimizer import SwappedZeroOptimizer
 from zeal.zero.units import FlatUnit
 
 
 def apply_offload(cfg: Config, zero: ZeroParts, mesh: Mesh, optimizer: Any,
-                  scaler: LossScaler | None) -> ZeroOptimizer | SwappedZeroOptimizer:
+                  scaler: LossScaler | None, grad_norm: GradNorm | None = None) -> ZeroOptimizer | SwappedZeroOptimizer:
     """Build the ZeRO optimizer for ``zero``'s units; ``optimizer`` is the user's (an
-    instance, a factory taking param groups, or None for the config's section)."""
+    instance, a factory taking param groups, or None for the config's section);
+    ``grad_norm``: how this rank's squared gradient norm is taken (None: plain; tensor
+    parallelism gives its own)."""
     oo = cfg.zero_optimization.offload_optimizer
     if oo.device == "nvme":
         if optimizer is not None:
@@ -42,13 +44,13 @@ def apply_offload(cfg: Config, zero: ZeroParts, mesh: Mesh, optimizer: Any,
                 zero.units, zero.reducer, mesh.dp, zero.stage, spec.type if spec else "AdamW",
                 dict(spec.params) if spec else {"lr": 1e-3}, cfg.gradient_clipping, scaler, zero.home,
                 rank_folder(oo.nvme_path, mesh.rank), cfg.zero_optimization.sub_group_size,
-                max(oo.buffer_count, 3))
+                max(oo.buffer_count, 3), grad_norm)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     inner = inner_optimizer(cfg, optimizer, zero.units)
     master_device = torch.device("cpu") if oo.device == "cpu" else None
     zopt = ZeroOptimizer(zero.units, zero.reducer, mesh.dp, zero.stage, inner, cfg.gradient_clipping, scaler,
-                         zero.home, master_device)
+                         zero.home, master_device, grad_norm)
     zopt.bind(inner.param_groups)
     return zopt
 
