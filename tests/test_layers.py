@@ -46,11 +46,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # moe/__init__ pulls the apply side with it. Out: the layer (gating, dispatch, experts)
     # below models, the apply side (apply, zero, layout, tensor, recompute) above.
     ("zeal.models.moe_mlp", "zeal.moe"): "MoE MLP block uses moe's layer",
-    # models → parallel/moe: checkpointing replays the tp RNG stream and MoE all-to-alls and
-    # computes the vocab-parallel loss. Out: policies injected by the apply-steps.
-    ("zeal.models.checkpointing", "zeal.moe.recompute"): "communication-aware recompute",
-    ("zeal.models.checkpointing", "zeal.parallel.rng"): "tp RNG tracker replayed by recompute",
-    ("zeal.models.checkpointing", "zeal.parallel.vocab"): "chunked loss over vocab-parallel logits",
     # models → compression: loading a compressed-tensors folder dequantizes it.
     # Out: the decompressor registered by compression, or hf.py's loader moved up.
     ("zeal.models.hf", "zeal.compression.export"): "compressed-tensors folders dequantized on load",
@@ -58,9 +53,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # Out: pipe/engine.py moves into train/.
     ("zeal.pipe.engine", "zeal.train.engine"): "PipelineEngine subclasses TrainEngine",
     ("zeal.pipe.engine", "zeal.train.hooks"): "PipelineEngine walks the train step hooks",
-    # parallel → moe: tensor parallelism asks moe for the expert splits (the cycle
-    # parallel/tensor.py ↔ moe/tensor.py). Out: apply_moe registers its splits.
-    ("zeal.parallel.tensor", "zeal.moe.tensor"): "TP of MoE layers (DeepSpeed-TED)",
 }
 
 

@@ -13,7 +13,6 @@ forward of the blocks. Serving (grad off) and evaluation never checkpoint.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,8 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from zeal.moe.recompute import comm_aware
 
 log = logging.getLogger("zeal")
 _said: set[str] = set()
@@ -61,19 +58,28 @@ class RecomputeCounter:
 
 @dataclass
 class CheckpointPolicy:
-    """How a layer stack checkpoints. ``every``: blocks per checkpointed group (the last
-    group may be shorter); ``cpu_checkpointing``: keep the group inputs in pinned CPU
-    memory (CUDA only); ``profile``: time recomputation into ``counter``;
-    ``comm_aware``: the recomputation reuses the MoE all-to-all outputs of the forward
-    (:func:`zeal.moe.recompute.comm_aware`)."""
+    """How a layer stack checkpoints, and how its loss is taken. ``every``: blocks per
+    checkpointed group (the last group may be shorter); ``cpu_checkpointing``: keep the
+    group inputs in pinned CPU memory (CUDA only); ``profile``: time recomputation into
+    ``counter``.
+
+    Injected by the apply-steps (the model knows no parallelism): ``recompute``, wrappers
+    put around each checkpointed group's function, in order, so that the recomputation
+    sees what the forward saw (tensor parallelism's RNG streams,
+    :meth:`zeal.parallel.rng.RNGTracker.replayable`; MoE's saved all-to-alls,
+    :func:`zeal.moe.recompute.comm_aware`); ``logits_loss``, ``(project, cross_entropy)``
+    used by :func:`causal_lm_loss` instead of ``(head, F.cross_entropy)`` (vocabulary
+    parallelism: this rank's slice of the logits and the cross-entropy over the slices,
+    :mod:`zeal.parallel.vocab`)."""
 
     enabled: bool = False
     every: int = 1
     cpu_checkpointing: bool = False
     profile: bool = False
     use_reentrant: bool = False
-    comm_aware: bool = False
     counter: RecomputeCounter = field(default_factory=RecomputeCounter, compare=False)
+    recompute: tuple[Callable[[Callable], Callable], ...] = ()
+    logits_loss: tuple[Callable, Callable] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -92,8 +98,6 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
                *extra: object) -> torch.Tensor:
     """``x = block(x, *extra)`` for each block in order, checkpointed as ``policy`` says
     when grad is enabled and the blocks are training; otherwise a plain loop."""
-    from zeal.parallel.rng import get_rng_tracker
-
     blocks = list(blocks)
     if not (policy.enabled and torch.is_grad_enabled() and any(b.training for b in blocks)):
         for b in blocks:
@@ -103,9 +107,8 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
         policy.counter.log_new()  # what the previous backward recomputed
     for start in range(0, len(blocks), policy.every):
         fn = _group(blocks[start:start + policy.every])
-        fn = get_rng_tracker().replayable(fn)  # the tensor-parallel RNG streams, as the forward had them
-        if policy.comm_aware:
-            fn = comm_aware(fn)
+        for wrap in policy.recompute:  # what the forward's state was (injected by the apply-steps)
+            fn = wrap(fn)
         if policy.profile:
             fn = _timed(fn, policy.counter, sync=x.is_cuda)
         with _boundary_storage(policy, x):
@@ -123,16 +126,10 @@ def causal_lm_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, polic
     ``-100`` ignored). Under an active ``policy`` the logits are never whole: chunks of
     rows are projected, scored and summed, each chunk checkpointed, so what is kept for
     backward is ``h`` alone (not the b·s·V fp32 log-softmax) and backward recomputes one
-    chunk's logits at a time. Same value as the plain path up to summation order. A
-    vocabulary-parallel head (:mod:`zeal.parallel.vocab`) projects this rank's slice of the
-    logits only, scored by the vocabulary-parallel cross-entropy."""
-    vp = getattr(head, "vocab_parallel", None)  # a vocabulary-parallel head (zeal.parallel.vocab)
-    if vp is not None:
-        from zeal.parallel.vocab import vocab_local_logits
-
-        project, ce = functools.partial(vocab_local_logits, head, vp), vp.cross_entropy
-    else:
-        project, ce = head, F.cross_entropy
+    chunk's logits at a time. Same value as the plain path up to summation order. The
+    policy's ``logits_loss`` (vocabulary parallelism) replaces the head's projection and
+    the cross-entropy."""
+    project, ce = policy.logits_loss or (head, F.cross_entropy)
     if not (policy.enabled and torch.is_grad_enabled() and head.training):
         logits = project(h)
         return ce(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100)

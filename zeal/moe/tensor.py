@@ -32,6 +32,7 @@ from torch import nn
 
 from zeal.dist.comm import Comm
 from zeal.moe.layer import MoE
+from zeal.parallel.tensor import _Pair, register_split_rule
 
 
 # -- the apply-step's MoE part ---------------------------------------------------------------
@@ -53,8 +54,6 @@ def moe_tensor_parallel(model: nn.Module, comm: Comm, rank: int, found: set[int]
     the experts that the dense family rules did not find (``found``: ids of the modules
     already in a pair; an ``nn.Sequential`` Linear → activation → Linear expert is split
     column / row), and the ids of the linears kept whole (routers, PR-MoE coefficients)."""
-    from zeal.parallel.tensor import _Pair  # the apply-step's own pair record (lazy: it imports this module)
-
     pairs, replicated = [], set()
     for lname, layer in model.named_modules():
         if not isinstance(layer, MoE):
@@ -72,3 +71,6 @@ def moe_tensor_parallel(model: nn.Module, comm: Comm, rank: int, found: set[int]
                 col, row = seq
                 pairs.append(_Pair(name, mod, [(col, 1)], row, {"intermediate size": col.out_features}, ()))
     return pairs, replicated
+
+
+register_split_rule(moe_tensor_parallel)  # apply_tensor_parallel runs it (zeal.moe imports this module)

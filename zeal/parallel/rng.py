@@ -198,12 +198,16 @@ class _Region:
 def apply_rng_regions(model: nn.Module, tp: Any, seed: int, tracker: RNGTracker | None = None,
                       pp_rank: int = 0) -> int:
     """Seed the tracker for ``tp``'s rank and pipeline stage ``pp_rank``
-    (:func:`model_parallel_seed`) and make each split pair of ``model`` (``tp.modules``) a
-    model-parallel RNG region. Returns the number of regions."""
+    (:func:`model_parallel_seed`), make each split pair of ``model`` (``tp.modules``) a
+    model-parallel RNG region, and have a zeal model's activation checkpointing replay the
+    tracker's streams (its ``checkpoint_policy.recompute``). Returns the number of regions."""
     from zeal.parallel.tensor import _attention_pair, _mlp_pair
 
     tracker = tracker or _TRACKER
     model_parallel_seed(seed, tp.rank, tracker, pp_rank=pp_rank)
+    policy = getattr(model, "checkpoint_policy", None)
+    if policy is not None and tracker.replayable not in policy.recompute:
+        policy.recompute = (*policy.recompute, tracker.replayable)  # recomputed masks equal the forward's
     n = 0
     for name in tp.modules:
         mod = model.get_submodule(name)

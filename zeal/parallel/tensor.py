@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -333,6 +334,19 @@ def _sync_rng(comm: Comm, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda_state.cpu(), device)
 
 
+# Split rules for layers the family rules here do not know, registered by the packages
+# above (zeal.moe.tensor registers the experts' pairs when zeal.moe is imported, which any
+# model with MoE layers has done). A rule: (model, tp comm, tp rank, ids of the modules
+# already in a pair) -> (more pairs, ids of linears kept whole).
+_SPLIT_RULES: list[Callable[..., tuple[list, set[int]]]] = []
+
+
+def register_split_rule(rule: Callable[..., tuple[list, set[int]]]) -> None:
+    """Have :func:`apply_tensor_parallel` also run ``rule`` (see ``_SPLIT_RULES``)."""
+    if rule not in _SPLIT_RULES:
+        _SPLIT_RULES.append(rule)
+
+
 def apply_tensor_parallel(model: nn.Module, size: int, mesh) -> TensorParallel | None:
     """Split ``model``'s attention and MLP linears over ``mesh.tp`` (size ``size``, which
     must equal the mesh's tp size). Returns what was split (None at size 1). Raises
@@ -344,10 +358,11 @@ def apply_tensor_parallel(model: nn.Module, size: int, mesh) -> TensorParallel |
         raise ConfigError(f"tensor_parallel.autotp_size {size} != the mesh's tp size {mesh.tp_size}")
     tp = TensorParallel(mesh.tp, size, mesh.tp_rank)
     pairs = _find_pairs(model)
-    from zeal.moe.tensor import moe_tensor_parallel  # MoE: experts split, routers whole (DeepSpeed-TED)
-
-    moe_pairs, replicated = moe_tensor_parallel(model, tp.comm, tp.rank, {id(p.module) for p in pairs})
-    pairs += moe_pairs
+    replicated: set[int] = set()
+    for rule in _SPLIT_RULES:  # e.g. MoE: experts split, routers whole (DeepSpeed-TED)
+        more, whole = rule(model, tp.comm, tp.rank, {id(p.module) for p in pairs})
+        pairs += more
+        replicated |= whole
     _check_coverage(model, pairs, replicated)
     split_of: dict[int, Split] = {}
     for pair in pairs:

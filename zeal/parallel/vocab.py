@@ -222,6 +222,7 @@ def apply_vocab_parallel(model: nn.Module, tp: TensorParallel, stage=None) -> Vo
     if emb is not None:
         _split_embedding(emb, vp, split_of)
     _split_head(head, vp, split_of)
+    _inject_loss(model, head, vp)
     _record(model, tp, split_of)
     if isinstance(getattr(type(model), "loss_function", None), property):  # a Hugging Face model
         model.loss_function = functools.partial(vocab_parallel_causal_lm_loss, vp)
@@ -256,6 +257,7 @@ def _apply_to_stage(model: nn.Module, tp: TensorParallel, stage) -> VocabParalle
         if tied is not None and not stage.first:  # computed with the engine's copy: this rank's rows
             tied.shape = (vp.per_rank, *tied.shape[1:])
         _split_head(head, vp, split_of, weight=tied is None or stage.first)
+        _inject_loss(model, head, vp)
     _record(model, tp, split_of)
     return vp
 
@@ -274,7 +276,14 @@ def _split_head(head: nn.Linear, vp: VocabParallel, split_of: dict[int, Split], 
             split_of[id(p)] = _slice_rows(p, vp)
     head.out_features = vp.per_rank
     head.forward = functools.partial(_head_forward, head, vp)
-    head.vocab_parallel = vp
+
+
+def _inject_loss(model: nn.Module, head: nn.Linear, vp: VocabParallel) -> None:
+    """A zeal model's loss (:func:`zeal.models.checkpointing.causal_lm_loss`) projects this
+    rank's slice of the logits and scores it with the vocabulary-parallel cross-entropy."""
+    policy = getattr(model, "checkpoint_policy", None)
+    if policy is not None:
+        policy.logits_loss = (functools.partial(vocab_local_logits, head, vp), vp.cross_entropy)
 
 
 def _record(model: nn.Module, tp: TensorParallel, split_of: dict[int, Split]) -> None:

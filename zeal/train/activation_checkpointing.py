@@ -19,6 +19,7 @@ from torch import nn
 from zeal.config import ConfigError
 from zeal.config.schema import ActivationCheckpointingConfig
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, blocks_per_checkpoint
+from zeal.moe.recompute import comm_aware
 
 log = logging.getLogger("zeal")
 
@@ -47,7 +48,11 @@ def apply_activation_checkpointing(model: nn.Module,
     first: CheckpointPolicy | None = None
     for t in targets:
         if isinstance(t, Checkpointable):
-            policy = policy_from_section(section, len(t.layer_stack()), t.checkpoint_policy.use_reentrant)
+            old = t.checkpoint_policy
+            policy = policy_from_section(section, len(t.layer_stack()), old.use_reentrant)
+            # keep what other apply-steps injected (recompute wrappers, the loss)
+            policy.recompute = (*old.recompute, *(w for w in policy.recompute if w not in old.recompute))
+            policy.logits_loss = old.logits_loss
             t.checkpoint_policy = policy
             first = first or policy
         else:
@@ -60,7 +65,8 @@ def policy_from_section(section: ActivationCheckpointingConfig, n_blocks: int,
     """The enabled policy for a stack of ``n_blocks`` blocks."""
     return CheckpointPolicy(enabled=True, every=blocks_per_checkpoint(n_blocks, section.number_checkpoints),
                             cpu_checkpointing=section.cpu_checkpointing, profile=section.profile,
-                            use_reentrant=use_reentrant, comm_aware=section.communication_aware)
+                            use_reentrant=use_reentrant,
+                            recompute=(comm_aware,) if section.communication_aware else ())  # MoE all-to-alls reused
 
 
 def _is_hf(module: nn.Module) -> bool:
