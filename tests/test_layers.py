@@ -5,7 +5,7 @@ Every import statement counts, wherever it is in the file: module level, inside 
 (the lazy imports that hide a cycle), under ``if TYPE_CHECKING:``. The imports that break
 the rule today are listed in ``ALLOWED`` with the reason and the way out; the list may only
 shrink: an allowed import that no longer exists fails the test, so whoever removes one
-removes its line too. docs/ARCHITECTURE.md ("The layers") states the same order.
+removes its line too. docs/ARCHITECTURE.md ("The layers and their rule") states the same order.
 """
 
 from __future__ import annotations
