@@ -247,3 +247,41 @@ def test_contract_models_and_errors(servers):
     assert Model.model_validate(httpx.get(servers + f"/v1/models/{NAME}", timeout=30).json()).id == NAME
     err = httpx.post(servers + "/v1/chat/completions", json={"model": NAME, "messages": []}, timeout=30)
     assert err.status_code == 400 and set(err.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def _replay(texts: list[str], funcs, forced_call=False) -> list[dict]:
+    """The chunks of one streamed choice whose text grows through ``texts`` (then stops)."""
+    from types import SimpleNamespace
+
+    from zeal.inference.outputs import RequestOutput
+    from zeal.inference.server import _chat_chunks
+
+    make = _chat_chunks(SimpleNamespace(), "id", NAME, 3, False, funcs, forced_call)
+    chunks, prev = [], ""
+    for k, text in enumerate(texts):
+        last = k == len(texts) - 1
+        c = CompletionOutput(index=0, token_ids=list(range(k + 1)), text=text, delta_text=text[len(prev):],
+                             delta_token_ids=[k], finish_reason="stop" if last else None)
+        chunks += list(make(0, RequestOutput("r", [1], [c], finished=last)))
+        prev = text
+    return [ch["choices"][0] for ch in chunks]
+
+
+def test_streamed_auto_tool_answers_read_as_their_whole_answer():
+    """tool_choice auto, streamed: an answer that is a call arrives as one tool_calls delta
+    (as without streaming, where it is parsed whole); plain text streams as it comes."""
+    funcs = [OPEN_TOOL["function"]]
+    call = '{"name": "set_level", "arguments": {"level": 2}}'
+    got = _replay([call[:5], call[:20], call], funcs)
+    assert [("content" in g["delta"], "tool_calls" in g["delta"]) for g in got] == [(False, False), (False, True)]
+    assert got[0]["delta"] == {"role": "assistant"}
+    assert json.loads(got[-1]["delta"]["tool_calls"][0]["function"]["arguments"]) == {"level": 2}
+    assert got[-1]["finish_reason"] == "tool_calls"
+    tagged = "<tool_call>" + call + "</tool_call>"
+    assert "tool_calls" in _replay(["<to", "<tool_call>{", tagged], funcs)[-1]["delta"]
+    plain = _replay(["Hel", "Hello", "Hello there"], funcs)
+    assert [g["delta"].get("content") for g in plain] == ["Hel", "lo", " there"]
+    assert plain[-1]["finish_reason"] == "stop"
+    not_call = _replay(["{", '{"a": 1}'], funcs)  # JSON, but no call: held, then content
+    assert not_call[-1]["delta"]["content"] == '{"a": 1}' and not_call[-1]["finish_reason"] == "stop"
+    assert "content" not in not_call[0]["delta"]

@@ -472,13 +472,23 @@ def _chat_message(c: CompletionOutput, funcs: list[dict] | None, parallel: bool 
     return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
 
+def _may_be_call(text: str) -> bool:
+    """Whether an answer so far could still turn out to be a tool call (bare or tagged)."""
+    s = text.lstrip()
+    return not s or s.startswith("{") or s.startswith("<tool_call>") or "<tool_call>".startswith(s)
+
+
 def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
-                 calls_only: list[dict] | None = None, extra: dict | None = None):
-    """The chunk maker of one streamed chat completion: the role first, then content deltas.
-    ``calls_only``: a forced tool call, sent whole at its end: one ``tool_calls`` delta, or,
-    when the answer is not a call (cut by ``length``), its text as content with its log-probs,
-    as the answer is without streaming. ``extra``: fields every chunk carries."""
+                 funcs: list[dict] | None = None, forced_call: bool = False, parallel: bool = True,
+                 extra: dict | None = None):
+    """The chunk maker of one streamed chat completion: the role first, then content deltas,
+    each choice streamed as its whole answer reads. With ``funcs`` (tool calls possible) a
+    choice's text is held back while it may still be a call (always, for a ``forced_call``)
+    and sent at its end as one ``tool_calls`` delta, or as content with its log-probs when it
+    is not a call (a forced call cut by ``length`` included); a choice that cannot be a call
+    streams as plain content from then on. ``extra``: fields every chunk carries."""
     started: set[int] = set()
+    plain: set[int] = set()  # choices known not to be calls: streamed as they come
 
     def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
@@ -490,15 +500,18 @@ def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, inclu
             if c.index not in started:
                 started.add(c.index)
                 delta["role"] = "assistant"
-            if calls_only is not None:
-                if c.finish_reason:
-                    msg, reason = _chat_message(c, calls_only)
-                    if msg.get("tool_calls"):
-                        delta["tool_calls"] = [{"index": k} | t for k, t in enumerate(msg["tool_calls"])]
-                    elif msg["content"]:
-                        delta["content"] = msg["content"]
-                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": _chat_logprobs(state, c),
-                                               "finish_reason": reason}]}
+            if funcs is not None and c.index not in plain:  # held back so far
+                whole, reason = None, c.finish_reason
+                if not forced_call and not _may_be_call(c.text):
+                    plain.add(c.index)
+                    whole = {"content": c.text} if c.text else {}
+                elif c.finish_reason:
+                    msg, reason = _chat_message(c, funcs, parallel)
+                    whole = ({"tool_calls": [{"index": k} | t for k, t in enumerate(msg["tool_calls"])]}
+                             if msg.get("tool_calls") else {"content": msg["content"]} if msg["content"] else {})
+                if whole is not None:
+                    yield base | {"choices": [{"index": c.index, "delta": delta | whole,
+                                               "logprobs": _chat_logprobs(state, c), "finish_reason": reason}]}
                 elif delta:
                     yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                "finish_reason": None}]}
@@ -540,8 +553,8 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        only = funcs if forced(choice) else None
-        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, only, _tier(req)))
+        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, funcs, forced(choice),
+                                                         req.parallel_tool_calls, _tier(req)))
     final = (await collect_or_error(agen, request))[0]
     choices = []
     for c in final.outputs:
