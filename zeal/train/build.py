@@ -52,6 +52,7 @@ from zeal.pipe.apply import apply_pipeline
 from zeal.pipe.engine import PipelineEngine
 from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
+from zeal.train.compile import apply_compile
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.lr_schedules import build_scheduler
 from zeal.utils.process import set_malloc_thresholds
@@ -122,6 +123,7 @@ def initialize(
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
     groups = [[p for p in g if id(p) not in dropped] for g in groups]
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
+    apply_compile(model, cfg.compile)  # last: each block's forward as the steps above left it
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
     if tp is not None:
