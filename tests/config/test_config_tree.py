@@ -64,7 +64,7 @@ def test_serve_flags_come_from_the_inference_section(capsys):
              "--max-waiting", "--no-prefix-caching", "--threads", "--log-level", "--no-transparent-hugepages",
              "--speculative-config", "--weights-offload", "--max-resident-weights-gb", "--offload-dir",
              "--weights-offload-quant", "--quantized-matmul",
-             "--tensor-parallel-size", "--no-engine-process"]
+             "--tensor-parallel-size", "--no-engine-process", "--no-disable-additional-properties"]
     for flag in flags:
         assert flag in out, flag
     limit_flags = ["--max-body-bytes", "--max-n", "--max-prompts", "--body-read-timeout-s", "--header-read-timeout-s",

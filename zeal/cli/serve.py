@@ -27,6 +27,7 @@ _FLAG_NAMES: dict[str, tuple[str, int]] = {
     "process.num_threads": ("--threads", 1),
     "process.transparent_hugepages": ("--no-transparent-hugepages", 1),
     "server.engine_process": ("--no-engine-process", 1),
+    "server.disable_additional_properties": ("--no-disable-additional-properties", 1),
 }
 _UNITS = {1 << 20: "MB"}
 
@@ -175,7 +176,8 @@ def build(cfg: InferenceConfig | argparse.Namespace):
         aengine = EngineProcess(cfg, Tokenizer.from_folder(path), srv.max_waiting)
     else:
         aengine = AsyncEngine(load_engine(cfg), srv.max_waiting)
-    return build_app(aengine, name, srv.api_key, srv.limits), name
+    return build_app(aengine, name, srv.api_key, srv.limits,
+                     disable_additional_properties=srv.disable_additional_properties), name
 
 
 def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):

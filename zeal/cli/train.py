@@ -210,6 +210,9 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     if spec.job.resume and _already_done(spec):
         return 0
     if spec.job.nproc > 1 and not in_distributed_env():
+        from zeal.dist.context import check_gpu_ranks
+
+        check_gpu_ranks(spec.job.nproc)  # on CUDA: one GPU per rank, said before any rank starts
         return _relaunch(spec, prepare_data, write_spec)
     if args.spec and in_distributed_env():  # a rank started by _relaunch: record the error, print nothing
         from zeal.dist.launch import run_rank

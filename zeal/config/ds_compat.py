@@ -76,7 +76,9 @@ NO_EFFECT: dict[str, str] = {
     "train_micro_batch_size_per_gpu_auto": "not a DeepSpeed key either",
     "use_data_before_expert_parallelism_": "zeal's MoE layers route each rank's own tokens (zeal.moe)",
     "seq_parallel_communication_data_type": "zeal has no sequence parallelism",
-    "compile": "torch.compile is the caller's choice (engine.module can be compiled)",
+    **{f"compile.{k}": "a DeepCompile option (DeepCompile itself is refused)" for k in (
+        "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
+        "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log")},
     "tensor_parallel.tp_overlap_comm": "zeal's tensor-parallel all-reduces run in order",
     "tensor_parallel.tp_grain_size": "zeal splits attention by whole heads",
     "data_types": "gradients accumulate in fp32", "checkpoint.tag_validation": "zeal checks manifests instead",

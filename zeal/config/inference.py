@@ -129,6 +129,11 @@ class ServerConfig(Section):
     max_waiting: int = Field(256, ge=0, description="Bounded waiting queue; beyond it: HTTP 429.")
     log_level: str = Field("info", description="Log level of zeal and uvicorn (debug, info, warning, error).")
     limits: ServerLimits = Field(default_factory=ServerLimits, description="Per-request bounds.")
+    disable_additional_properties: bool = Field(
+        True, description="In JSON schemas of forced tool calls, response_format and structured_outputs, an "
+        "object with 'properties' and no 'additionalProperties' takes no other keys (as if it said false), so "
+        "the answer has the declared keys, each once; an explicit additionalProperties is kept. Off: JSON "
+        "Schema's own default (any other key allowed).")
     engine_process: bool = Field(
         True, description="Run the engine in its own process beside the HTTP server (the GIL not shared); "
                           "off: an engine thread in the server's process. Tensor-parallel serving uses the thread.")

@@ -225,6 +225,18 @@ class CheckpointConfig(Section):
     fallback_to_previous: bool = Field(False, description="On a corrupt latest tag, load the previous committed one.")
 
 
+class CompileConfig(Section):
+    """DeepSpeed's ``compile`` section: ``torch.compile`` of each transformer block (regional
+    compilation: one graph per block class, reused by every layer; ZeRO's gathers, the
+    checkpointing wrapper and the loss stay outside the compiled code)."""
+
+    enabled: bool = Field(False, description="Compile each block's forward with torch.compile.")
+    backend: str = Field("inductor", description="torch.compile backend (inductor, aot_eager, eager, ...).")
+    kwargs: dict = Field(default_factory=dict, description="Further torch.compile keywords (mode, dynamic, ...).")
+    disable: bool = Field(False, description="Never compile, whatever 'enabled' says (axolotl's spelling).")
+    deepcompile: bool = Field(False, description="DeepSpeed's DeepCompile (refused when true).")
+
+
 class ActivationCheckpointingConfig(Section):
     """DeepSpeed's ``activation_checkpointing``: present = the model's blocks are
     recomputed in backward (zeal's models per this section; a Hugging Face model
@@ -290,6 +302,8 @@ class Config(Section):
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig, description="Tensor parallelism: attention and MLP split over ranks.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention and fallback.")
+    compile: CompileConfig = Field(default_factory=CompileConfig,
+                                   description="torch.compile of each block (DeepSpeed's compile section).")
     activation_checkpointing: ActivationCheckpointingConfig | None = Field(
         None, description="Recompute activations in backward (None = as the model itself says).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,

@@ -61,11 +61,29 @@ def init_distributed(
     if world % lws:
         raise ValueError(f"local_world_size {lws} does not divide world size {world}")
     if cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        if dist.is_initialized() and dist.get_backend() == "gloo":
+            raise ValueError("torch.distributed backend gloo with CUDA tensors is not supported (gloo moves host "
+                             "memory): use nccl, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+        check_gpu_ranks(max(lws, local_rank + 1))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     return DistContext(rank, world, local_rank, lws, device, group)
+
+
+def check_gpu_ranks(per_node: int, gpus: int | None = None) -> None:
+    """Refuse more processes per node than visible GPUs (NCCL needs one GPU per rank; two
+    ranks on one device abort at the first collective). ``gpus``: the count to check
+    against (default: ``torch.cuda.device_count()``); nothing to check without CUDA."""
+    if gpus is None:
+        if not torch.cuda.is_available():
+            return
+        gpus = torch.cuda.device_count()
+    if per_node > gpus:
+        raise ValueError(f"{per_node} processes per node but {gpus} GPU(s) visible: each rank needs a GPU of its "
+                         f"own (NCCL); start at most {gpus} (e.g. --nproc {gpus}), or hide the GPUs "
+                         "(CUDA_VISIBLE_DEVICES=) to run on CPU")
 
 
 _before_shutdown: list = []

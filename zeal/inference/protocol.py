@@ -89,6 +89,16 @@ class _Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's extension: json, json_object, regex or grammar
     logit_bias: dict[str, float] | None = None  # refused unless empty: not applied by the sampler
+    user: str | None = None  # an end-user id (OpenAI: for abuse monitoring); accepted, not used
+    service_tier: str | None = None  # "auto" / "default" only: zeal serves every request at one tier
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, v: str | None) -> str | None:
+        if v not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {v!r} is not offered: zeal serves every request at one tier "
+                             "(send auto or default, or omit it)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -203,6 +213,7 @@ class ChatCompletionRequest(_Sampling):
 
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # false: an answer carries at most one tool call
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -44,7 +44,7 @@ from zeal.inference.server_guard import (
     read_body,
     uvicorn_limits,
 )
-from zeal.inference.structured import StructuredOutputsParams
+from zeal.inference.structured import StructuredOutputsParams, close_objects
 from zeal.inference.tools import allowed_tools, call_schema, forced, parse_tool_calls
 
 __all__ = ["AppState", "ServerLimits", "build_app", "uvicorn_limits"]
@@ -63,6 +63,7 @@ class AppState:
     api_key: str | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
     created: int = field(default_factory=lambda: int(time.time()))
+    disable_additional_properties: bool = True  # objects of JSON schemas closed unless they say otherwise
 
     @property
     def engine(self) -> LLMEngine:
@@ -80,9 +81,11 @@ class AppState:
 
 
 def build_app(aengine: AsyncEngine, model_name: str, api_key: str | None = None,
-              limits: ServerLimits | None = None) -> FastAPI:
-    """The FastAPI application over a started or startable :class:`AsyncEngine`."""
-    state = AppState(aengine, model_name, api_key, limits or ServerLimits())
+              limits: ServerLimits | None = None, disable_additional_properties: bool = True) -> FastAPI:
+    """The FastAPI application over a started or startable :class:`AsyncEngine`.
+    ``disable_additional_properties``: see ``ServerConfig`` (JSON schemas' objects closed)."""
+    state = AppState(aengine, model_name, api_key, limits or ServerLimits(),
+                     disable_additional_properties=disable_additional_properties)
     app = FastAPI(title="zeal", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=functools.partial(_lifespan, state))
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
@@ -204,11 +207,21 @@ def check_length(engine: LLMEngine, prompt_ids: list[int], max_tokens: int | Non
     return max_tokens
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(state: AppState, req: CompletionRequest | ChatCompletionRequest, max_tokens: int,
+              logprobs: int | None) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+    so = params.structured_outputs
+    if state.disable_additional_properties and so is not None and isinstance(so.json, dict):
+        so.json = close_objects(so.json)
+    return params
+
+
+def _tier(req: CompletionRequest | ChatCompletionRequest) -> dict:
+    """``service_tier`` of the answer: echoed (as ``default``) when the request named one."""
+    return {"service_tier": "default"} if req.service_tier is not None else {}
 
 
 # ------------------------------------------------------------ running requests
@@ -396,7 +409,7 @@ async def completions(state: AppState, request: Request) -> Response | dict:
     prompts_in, prompts = _completion_prompts(state, req)
     max_tokens = min(check_length(state.engine, x, 1 if echo_only else req.max_tokens, 16) for x in prompts)
     check_budget(state.limits, [len(x) for x in prompts], req.n, max_tokens)
-    params = _sampling(req, max_tokens, req.logprobs)
+    params = _sampling(state, req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         params.prompt_logprobs = req.logprobs
     cid, name = f"cmpl-{uuid.uuid4().hex}", state.model_name
@@ -448,23 +461,38 @@ def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": ct, "total_tokens": prompt_tokens + ct}
 
 
-def _chat_message(c: CompletionOutput, funcs: list[dict] | None) -> tuple[dict, str | None]:
+def _chat_message(c: CompletionOutput, funcs: list[dict] | None, parallel: bool = True) -> tuple[dict, str | None]:
     """The assistant message of a choice and its finish reason: parsed tool calls when the
-    answer is a call to one of ``funcs``, else the text."""
+    answer is a call to one of ``funcs`` (the first only unless ``parallel``), else the text."""
     calls = parse_tool_calls(c.text, funcs) if funcs else None
+    if calls and not parallel:
+        calls = calls[:1]
     if calls:
         return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
     return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
 
 
+def _may_be_call(text: str) -> bool:
+    """Whether an answer so far could still turn out to be a tool call (bare or tagged)."""
+    s = text.lstrip()
+    return not s or s.startswith("{") or s.startswith("<tool_call>") or "<tool_call>".startswith(s)
+
+
 def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
-                 calls_only: list[dict] | None = None):
-    """The chunk maker of one streamed chat completion: the role first, then content deltas.
-    ``calls_only``: a forced tool call, sent whole as one ``tool_calls`` delta at its end."""
+                 funcs: list[dict] | None = None, forced_call: bool = False, parallel: bool = True,
+                 extra: dict | None = None):
+    """The chunk maker of one streamed chat completion: the role first, then content deltas,
+    each choice streamed as its whole answer reads. With ``funcs`` (tool calls possible) a
+    choice's text is held back while it may still be a call (always, for a ``forced_call``)
+    and sent at its end as one ``tool_calls`` delta, or as content with its log-probs when it
+    is not a call (a forced call cut by ``length`` included); a choice that cannot be a call
+    streams as plain content from then on. ``extra``: fields every chunk carries."""
     started: set[int] = set()
+    plain: set[int] = set()  # choices known not to be calls: streamed as they come
 
     def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
+        base |= extra or {}
         if include_usage:  # OpenAI: null on every chunk but the last
             base["usage"] = None
         for c in out.outputs:
@@ -472,12 +500,18 @@ def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, inclu
             if c.index not in started:
                 started.add(c.index)
                 delta["role"] = "assistant"
-            if calls_only is not None:
-                if c.finish_reason:
-                    msg, reason = _chat_message(c, calls_only)
-                    delta["tool_calls"] = [{"index": k} | t for k, t in enumerate(msg.get("tool_calls") or [])]
-                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
-                                               "finish_reason": reason}]}
+            if funcs is not None and c.index not in plain:  # held back so far
+                whole, reason = None, c.finish_reason
+                if not forced_call and not _may_be_call(c.text):
+                    plain.add(c.index)
+                    whole = {"content": c.text} if c.text else {}
+                elif c.finish_reason:
+                    msg, reason = _chat_message(c, funcs, parallel)
+                    whole = ({"tool_calls": [{"index": k} | t for k, t in enumerate(msg["tool_calls"])]}
+                             if msg.get("tool_calls") else {"content": msg["content"]} if msg["content"] else {})
+                if whole is not None:
+                    yield base | {"choices": [{"index": c.index, "delta": delta | whole,
+                                               "logprobs": _chat_logprobs(state, c), "finish_reason": reason}]}
                 elif delta:
                     yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                "finish_reason": None}]}
@@ -513,25 +547,26 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     check_budget(state.limits, [len(prompt)], req.n, max_tokens)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    params = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    funcs = _tool_functions(tools, choice, params)
+    params = _sampling(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    funcs = _tool_functions(state, tools, choice, params)
     cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
     agen = run_all(state.aengine, [prompt], params)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        only = funcs if forced(choice) else None
-        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, only))
+        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, funcs, forced(choice),
+                                                         req.parallel_tool_calls, _tier(req)))
     final = (await collect_or_error(agen, request))[0]
     choices = []
     for c in final.outputs:
-        msg, reason = _chat_message(c, funcs)
+        msg, reason = _chat_message(c, funcs, req.parallel_tool_calls)
         choices.append({"index": c.index, "message": msg, "logprobs": _chat_logprobs(state, c),
                         "finish_reason": reason})
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": name,
-            "choices": choices, "usage": _usage(len(prompt), final)}
+            "choices": choices, "usage": _usage(len(prompt), final)} | _tier(req)
 
 
-def _tool_functions(tools: list[dict] | None, choice: str | dict | None, params: SamplingParams) -> list[dict] | None:
+def _tool_functions(state: AppState, tools: list[dict] | None, choice: str | dict | None,
+                    params: SamplingParams) -> list[dict] | None:
     """The functions a call may name (None: no tool calls); a forced choice constrains ``params``
     to a call of them."""
     if not tools or choice == "none":
@@ -544,7 +579,9 @@ def _tool_functions(tools: list[dict] | None, choice: str | dict | None, params:
         if params.structured_outputs is not None:
             raise APIError(400, "a forced tool_choice cannot be combined with response_format", param="tool_choice")
         try:
-            params.structured_outputs = StructuredOutputsParams(json=call_schema(funcs))
+            schema = call_schema(funcs)
+            params.structured_outputs = StructuredOutputsParams(
+                json=close_objects(schema) if state.disable_additional_properties else schema)
         except ValueError as e:
             raise APIError(400, f"tools: {e}", param="tools") from None
     return funcs

@@ -253,3 +253,45 @@ def mask_rows(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.T
     for i in rows:
         logits[i].masked_fill_(~masks[i], float("-inf"))
     return logits
+
+
+# keys whose value is a map of names to subschemas, a list of subschemas, or one subschema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not", "if",
+               "then", "else", "unevaluatedItems", "unevaluatedProperties")
+
+
+def close_objects(schema: dict) -> dict:
+    """A copy of the JSON schema ``schema`` in which every object schema that declares
+    ``properties`` but says nothing of other keys (no ``additionalProperties``,
+    ``patternProperties`` or ``unevaluatedProperties``) gets ``additionalProperties: false``.
+
+    Clients write schemas that way (pydantic's ``model_json_schema()``, LangChain's
+    ``bind_tools``, instructor) and mean "these keys": left open, a constrained answer may add
+    any number of extra keys, the same key twice included. Members of ``allOf`` are left as
+    they are (closing each part would reject the keys of the others). An explicit
+    ``additionalProperties`` is kept. Walks without recursion (schemas may nest deeply)."""
+    root = dict(schema)
+    stack: list[tuple[dict, bool]] = [(root, True)]
+    while stack:
+        node, closable = stack.pop()
+        if (closable and isinstance(node.get("properties"), dict)
+                and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(node)):
+            node["additionalProperties"] = False
+        for key, value in list(node.items()):
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                node[key] = {k: _push(stack, v, True) for k, v in value.items()}
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                node[key] = [_push(stack, v, key != "allOf") for v in value]
+            elif key in _SCHEMA_ONE and isinstance(value, dict):
+                node[key] = _push(stack, value, True)
+    return root
+
+
+def _push(stack: list[tuple[dict, bool]], node, closable: bool):
+    if not isinstance(node, dict):
+        return node
+    copy = dict(node)
+    stack.append((copy, closable))
+    return copy

@@ -55,6 +55,7 @@ from zeal.pipe.apply import apply_pipeline
 from zeal.pipe.engine import PipelineEngine
 from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
+from zeal.train.compile import apply_compile
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.lr_schedules import build_scheduler
 from zeal.utils.process import set_malloc_thresholds
@@ -127,6 +128,7 @@ def initialize(
     experts = expert_comm_group(model, mesh)  # MoE: expert parameters live over the expert-data group
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed,
                       comm_groups=[experts] if experts is not None else None)
+    apply_compile(model, cfg.compile)  # last: each block's forward as the steps above left it
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     # tensor parallelism: split parameters' squared gradient norms are summed over tp
     grad_norm = TPGradNorm(tp, [u for u in zero.units if u.trainable], zero.stage) if tp is not None else None

@@ -1,0 +1,453 @@
+"""The stages of ``bench/gpu/run.sh``: each prints one JSON line (``{"stage": ..., ...}``).
+
+    python bench/gpu/stages.py STAGE [--dry-run]      # env, train_correct, train_speed, serve_correct, serve_speed
+    python bench/gpu/stages.py report results.jsonl   # the table of a run
+
+On a GPU the models have real shapes (SmolLM2-135M and Llama-3.2-1B, random weights from
+their configs: nothing is downloaded); ``--dry-run`` runs every stage on the CPU at toy
+sizes, so CI keeps the script working on the days no GPU is lent. A case that fails is
+recorded with its one-line error and the stage goes on: the run is a report, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# dense bf16 peak TFLOP/s (vendor figures, without sparsity) and HBM bandwidth in TB/s
+PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0), "L40S": (362.0, 0.864)}
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+               rope_theta=100000.0)
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                tie_word_embeddings=True, rope_theta=500000.0)
+TOY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def _device(dry: bool):
+    import torch
+
+    return torch.device("cpu") if dry or not torch.cuda.is_available() else torch.device("cuda", 0)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak(device) -> float | None:
+    import torch
+
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
+
+
+def _reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def _hf_llama(shape: dict, layers: int | None = None, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**(shape | ({"num_hidden_layers": layers} if layers else {})))
+    return LlamaForCausalLM(cfg)
+
+
+def _peak_flops(device) -> tuple[float | None, str]:
+    """The device's dense bf16 peak in FLOP/s and where the figure comes from."""
+    import torch
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (tflops, _) in PEAKS.items():
+            if key in name:
+                return tflops * 1e12, f"{key} datasheet"
+        return None, f"unknown device {name}"
+    a = torch.randn(1024, 1024)
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    return 20 * 2 * 1024**3 / (time.perf_counter() - t), "measured fp32 matmul peak (CPU)"
+
+
+# ------------------------------------------------------------------ stages
+def stage_env(dry: bool) -> dict:
+    import importlib.util
+
+    import torch
+
+    out: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+                 "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out |= {"device": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
+                "device_count": torch.cuda.device_count(), "bf16": torch.cuda.is_bf16_supported()}
+    out["packages"] = {m: importlib.util.find_spec(m) is not None for m in (
+        "transformers", "triton", "flash_attn", "vllm", "pydantic", "safetensors", "tokenizers", "numpy", "yaml")}
+    device = _device(dry)
+    try:  # the smoke step: zeal imports and trains one step on the device
+        import zeal
+
+        engine = zeal.initialize(_hf_llama(TOY).to(device), {"train_micro_batch_size_per_gpu": 2,
+                                                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        x = torch.randint(0, TOY["vocab_size"], (2, 16), device=device)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        out["smoke_step"] = {"ok": True, "loss": round(float(loss), 4), "device": str(engine.device)}
+    except Exception as e:  # noqa: BLE001 - reported
+        out["smoke_step"] = {"ok": False, "error": _err(e)}
+    return out
+
+
+def _train_losses(model, config: dict | None, batches, device, precision: str = "fp32") -> list[float]:
+    """Per-step losses: zeal under ``config``, or plain PyTorch AdamW when ``config`` is None."""
+    import torch
+
+    if config is None:
+        model = model.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        losses = []
+        for x in batches:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        return losses
+    import zeal
+
+    engine = zeal.initialize(model.to(device), config)
+    losses = []
+    for x in batches:
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses
+
+
+def stage_train_correct(dry: bool) -> dict:
+    """World size 1: ZeRO stages 0-3 (fp32) against plain PyTorch; bf16, checkpointing,
+    cpu_checkpointing, CPU optimizer offload and the NVMe tiers against the fp32 reference."""
+    import torch
+
+    device = _device(dry)
+    shape, layers, steps, seq = (TOY, None, 3, 32) if dry else (SMOLLM2, 4, 5, 256)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, shape["vocab_size"], (4, seq), generator=gen).to(device) for _ in range(steps)]
+    ref = _train_losses(_hf_llama(shape, layers), None, batches, device)
+    opt = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    base = {"train_micro_batch_size_per_gpu": 4, "optimizer": opt}
+    nvme = tempfile.mkdtemp(prefix="zeal-gpu-nvme-")
+    cases = {f"stage{s}": (base | {"zero_optimization": {"stage": s}}, 1e-5) for s in range(4)}
+    cases |= {
+        "stage3_bf16": (base | {"bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}, 3e-2),
+        "stage3_checkpointing": (base | {"zero_optimization": {"stage": 3}, "activation_checkpointing": {}}, 1e-5),
+        "stage3_cpu_checkpointing": (base | {"zero_optimization": {"stage": 3},
+                                             "activation_checkpointing": {"cpu_checkpointing": True}}, 1e-5),
+        "stage2_offload_optimizer_cpu": (base | {"zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "cpu", "pin_memory": True}}}, 1e-5),
+        "stage3_offload_optimizer_nvme": (base | {"zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "nvme", "nvme_path": nvme}}}, 1e-5),
+        "stage3_offload_param_nvme": (base | {"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": nvme}}}, 1e-5),
+    }
+    results = {}
+    for name, (cfg, tol) in cases.items():
+        t = time.perf_counter()
+        try:
+            got = _train_losses(_hf_llama(shape, layers), cfg, batches, device)
+            diff = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+            results[name] = {"ok": diff <= tol, "max_rel_diff": float(f"{diff:.3g}"), "tol": tol,
+                             "s": round(time.perf_counter() - t, 1)}
+        except Exception as e:  # noqa: BLE001 - reported
+            results[name] = {"ok": False, "error": _err(e)}
+    return {"device": str(device), "reference_losses": [round(x, 4) for x in ref], "cases": results}
+
+
+def _time_steps(step, device, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - t) / steps
+
+
+def stage_train_speed(dry: bool) -> dict:
+    """Tokens/s, MFU and peak memory per step: plain PyTorch (eager, compiled), FSDP2 at world
+    size 1, zeal stages 0 and 3 (bf16; eager and with the config's ``compile`` key)."""
+    import torch
+
+    device = _device(dry)
+    shape, micro, seq, warmup, steps = (TOY, 2, 64, 1, 2) if dry else (LLAMA_1B, 4, 1024, 3, 8)
+    peak, peak_src = _peak_flops(device)
+    x = torch.randint(0, shape["vocab_size"], (micro, seq), device=device)
+    n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
+    flops_per_step = 6 * n_params * micro * seq  # + attention: 12·layers·hidden·seq² per sequence
+    flops_per_step += 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq * seq * micro
+    results = {}
+
+    def plain(compiled: bool):
+        model = _hf_llama(shape).to(device)
+        fwd = torch.compile(model) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = fwd(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    def fsdp2():
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29533")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        model = _hf_llama(shape).to(device)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+
+    def zeal_engine(stage: int, compiled: bool):
+        import zeal
+
+        cfg = {"train_micro_batch_size_per_gpu": micro, "bf16": {"enabled": True},
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": stage}}
+        if compiled:
+            cfg["compile"] = {"enabled": True}
+        engine = zeal.initialize(_hf_llama(shape).to(device), cfg)
+
+        def step():
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+        return step
+
+    runs = {"plain_eager": lambda: plain(False), "plain_compiled": lambda: plain(True), "fsdp2": fsdp2,
+            "zeal_stage0": lambda: zeal_engine(0, False), "zeal_stage3": lambda: zeal_engine(3, False),
+            "zeal_stage0_compiled": lambda: zeal_engine(0, True), "zeal_stage3_compiled": lambda: zeal_engine(3, True)}
+    for name, make in runs.items():
+        if dry and "compiled" in name:  # inductor's compile of the toy model alone takes ~30 s on the CPU
+            results[name] = {"skipped": "dry run"}
+            continue
+        _reset_peak(device)
+        try:
+            dt = _time_steps(make(), device, warmup, steps)
+            results[name] = {"step_s": round(dt, 4), "tokens_per_s": round(micro * seq / dt, 1),
+                             "mfu": round(flops_per_step / dt / peak, 4) if peak else None, "peak_gib": _peak(device)}
+        except Exception as e:  # noqa: BLE001 - reported
+            results[name] = {"error": _err(e)}
+    return {"device": str(device), "params": n_params, "micro": micro, "seq": seq, "peak_flops": peak,
+            "peak_source": peak_src, "runs": results}
+
+
+def _saved_model(shape: dict, layers: int | None, dtype) -> tuple[str, object]:
+    model = _hf_llama(shape, layers).to(dtype).eval()
+    path = tempfile.mkdtemp(prefix="zeal-gpu-model-")
+    model.save_pretrained(path)
+    return path, model
+
+
+def stage_serve_correct(dry: bool) -> dict:
+    """fp32 greedy tokens of zeal's engine equal Hugging Face ``generate``; bf16 prompt logits."""
+    import torch
+
+    from zeal.inference import LLM, SamplingParams
+
+    device = _device(dry)
+    shape, layers, n_new = (TOY, None, 8) if dry else (SMOLLM2, None, 32)
+    path, hf = _saved_model(shape, layers, torch.float32)
+    hf = hf.to(device)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
+    out: dict = {"device": str(device)}
+    try:
+        llm = LLM(path, dtype=torch.float32, device=str(device))
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(
+            max_tokens=n_new, temperature=0.0, ignore_eos=True))]
+        same = 0
+        for p, g in zip(prompts, got):
+            ref = hf.generate(torch.tensor([p], device=device), max_new_tokens=n_new, min_new_tokens=n_new,
+                              do_sample=False)[0, len(p):].tolist()
+            same += int(ref == list(g))
+        out["fp32_greedy_equal"] = f"{same}/{len(prompts)}"
+        llm.shutdown()
+        del llm
+    except Exception as e:  # noqa: BLE001 - reported
+        out["fp32_greedy_equal"] = _err(e)
+    try:
+        llm = LLM(path, dtype=torch.bfloat16, device=str(device))
+        p = prompts[-1]
+        o = llm.generate([p], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, prompt_logprobs=1))[0]
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p], device=device)).logits[0].float(), -1)
+        # entry i scores prompt token i from the logits at position i - 1
+        diffs = [abs(e["logprob"] - float(ref[i - 1, e["token"]])) for i, e in enumerate(o.prompt_logprobs or [])
+                 if e is not None]
+        out["bf16_prompt_logprob_max_abs_diff"] = round(max(diffs), 4) if diffs else "no prompt logprobs"
+        llm.shutdown()
+    except Exception as e:  # noqa: BLE001 - reported
+        out["bf16_prompt_logprob_max_abs_diff"] = _err(e)
+    return out
+
+
+def stage_serve_speed(dry: bool) -> dict:
+    """Generated tokens/s on one workload: zeal's engine vs HF ``generate`` in static batches;
+    zeal's decode step against the weight-bytes / HBM-bandwidth floor; a profile of decode steps."""
+    import torch
+
+    from zeal.inference import LLM, SamplingParams
+
+    device = _device(dry)
+    dtype = torch.float32 if dry else torch.bfloat16
+    shape, n_req, p_len, n_new, hf_batch = (TOY, 4, 16, 8, 2) if dry else (SMOLLM2, 64, 256, 128, 32)
+    path, hf = _saved_model(shape, None, dtype)
+    hf = hf.to(device)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, shape["vocab_size"], (p_len,), generator=gen).tolist() for _ in range(n_req)]
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    out: dict = {"device": str(device), "requests": n_req, "prompt_len": p_len, "new_tokens": n_new}
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    try:
+        llm = LLM(path, dtype=dtype, device=str(device))
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+        _sync(device)
+        t = time.perf_counter()
+        llm.generate(prompts, params)
+        _sync(device)
+        dt = time.perf_counter() - t
+        out["zeal_tokens_per_s"] = round(n_req * n_new / dt, 1)
+        # one request decoding alone: the decode step time against reading every weight once
+        one = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([prompts[0]], one)
+        _sync(device)
+        step = (time.perf_counter() - t) / n_new
+        out["zeal_decode_step_ms"] = round(step * 1e3, 3)
+        if device.type == "cuda":
+            bw = next((b for k, (_, b) in PEAKS.items() if k in torch.cuda.get_device_name(device)), None)
+            if bw:
+                out["decode_floor_ms"] = round(weight_bytes / (bw * 1e12) * 1e3, 3)
+        out["profile"] = _profile_decode(llm, prompts[0], device)
+        llm.shutdown()
+    except Exception as e:  # noqa: BLE001 - reported
+        out["zeal_error"] = _err(e)
+    try:
+        total, t = 0, time.perf_counter()
+        for i in range(0, n_req, hf_batch):
+            batch = torch.tensor(prompts[i:i + hf_batch], device=device)
+            hf.generate(batch, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+            total += batch.shape[0] * n_new
+        _sync(device)
+        out["hf_generate_tokens_per_s"] = round(total / (time.perf_counter() - t), 1)
+    except Exception as e:  # noqa: BLE001 - reported
+        out["hf_error"] = _err(e)
+    if out.get("zeal_tokens_per_s") and out.get("hf_generate_tokens_per_s"):
+        out["zeal_over_hf"] = round(out["zeal_tokens_per_s"] / out["hf_generate_tokens_per_s"], 2)
+    return out
+
+
+def _profile_decode(llm, prompt: list[int], device) -> dict:
+    """Kernels (or CPU ops), host and device milliseconds and synchronising calls per decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zeal.inference import SamplingParams
+
+    n = 8
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if getattr(e, "device_type", None) is not None
+                  and str(e.device_type).endswith("CUDA"))
+    syncs = sum(e.count for e in events if any(k in e.key for k in ("Synchronize", "aten::item",
+                                                                     "aten::_local_scalar_dense", "cudaMemcpy")))
+    host_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+    dev_ms = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e3
+    return {"steps": n, "kernels_per_step": round(kernels / n, 1), "host_syncs_per_step": round(syncs / n, 1),
+            "host_ms_per_step": round(host_ms / n, 3), "device_ms_per_step": round(dev_ms / n, 3)}
+
+
+STAGES = {"env": stage_env, "train_correct": stage_train_correct, "train_speed": stage_train_speed,
+          "serve_correct": stage_serve_correct, "serve_speed": stage_serve_speed}
+
+
+def report(path: str) -> None:
+    """The results file as a short table, one stage a block."""
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        print(f"== {rec['stage']} ({rec.get('seconds', '?')} s){' ERROR ' + rec['error'] if 'error' in rec else ''}")
+        for k, v in rec.items():
+            if k in ("stage", "seconds", "error"):
+                continue
+            if isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()):
+                for name, row in v.items():
+                    print(f"   {name:32s} {json.dumps(row)}")
+            else:
+                print(f"   {k}: {json.dumps(v)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=[*STAGES, "report"])
+    ap.add_argument("path", nargs="?", help="results.jsonl (report)")
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU at toy sizes")
+    a = ap.parse_args(argv)
+    if a.stage == "report":
+        report(a.path)
+        return 0
+    t = time.perf_counter()
+    try:
+        rec = {"stage": a.stage, "dry_run": a.dry_run} | STAGES[a.stage](a.dry_run)
+    except Exception as e:  # noqa: BLE001 - the stage's own failure, reported as its line
+        traceback.print_exc()
+        rec = {"stage": a.stage, "dry_run": a.dry_run, "error": _err(e)}
+    rec["seconds"] = round(time.perf_counter() - t, 1)
+    print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
