@@ -63,7 +63,6 @@ def test_no_effect_keys_are_said_once(caplog):
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 8}}, "MiCS"),
     ({"fp8": {"enabled": True}}, "fp8"),
     ({"amp": {"enabled": True}}, "apex AMP"),
-    ({"flops_profiler": {"enabled": True}}, "FLOPs profiler"),
     ({"scheduler": {"type": "CyclicLR", "params": {}}}, "scheduler.type"),
 ])
 def test_missing_features_are_refused_by_name(cfg, feature):

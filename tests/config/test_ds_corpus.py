@@ -22,7 +22,7 @@ REFUSED = {
     "openrlhf_ddpo_ds_config.json": "tensor parallelism",  # partition_activations
     "llamafactory_ds_z3_alst_config.json": "sequence parallelism",
     "llamafactory_ds_z3_fp8_config.json": "fp8 training",
-    "megatron_ds_ds_zero2_config_bf16.json": "FLOPs profiler",
+    "megatron_ds_ds_zero2_config_bf16.json": "communication dtype",
 }
 
 

@@ -26,7 +26,6 @@ from zeal.config.ds_compression import translate_compression
 # path -> (feature zeal lacks, values that ask for nothing and so pass silently)
 UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "pipeline": ("pipeline parallelism through DeepSpeed's 'pipeline' section (zeal's key is 'pipeline_parallel')", ({},)),
-    "flops_profiler": ("the FLOPs profiler", ()),
     "data_efficiency.data_sampling.dynamic_batching": ("dynamic batching", ()),
     "progressive_layer_drop": ("progressive layer dropping", ()),
     "eigenvalue": ("the eigenvalue (Hessian) analysis", ()),

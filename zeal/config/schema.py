@@ -225,6 +225,19 @@ class CheckpointConfig(Section):
     fallback_to_previous: bool = Field(False, description="On a corrupt latest tag, load the previous committed one.")
 
 
+class FlopsProfilerConfig(Section):
+    """DeepSpeed's ``flops_profiler``: count the FLOPs of one training step (every forward
+    and backward up to its optimizer step) per module, and report them with the step's time."""
+
+    enabled: bool = Field(False, description="Profile one step.")
+    profile_step: int = Field(1, ge=1, description="The optimizer step to profile (1 = the first).")
+    module_depth: int = Field(-1, ge=-1, description="Depth of the per-module table (-1: every depth).")
+    top_modules: int = Field(1, ge=1, description="Modules listed per depth, most FLOPs first.")
+    detailed: bool = Field(True, description="Also list each module's operators.")
+    output_file: str | None = Field(None, description="Write the report here (rank 0); None: the log.")
+    recompute_fwd_factor: float = Field(0.0, ge=0, description="Accepted (recomputed forwards are counted as they run).")
+
+
 class CompileConfig(Section):
     """DeepSpeed's ``compile`` section: ``torch.compile`` of each transformer block (regional
     compilation: one graph per block class, reused by every layer; ZeRO's gathers, the
@@ -302,6 +315,8 @@ class Config(Section):
     tensor_parallel: TensorParallelConfig = Field(
         default_factory=TensorParallelConfig, description="Tensor parallelism: attention and MLP split over ranks.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoint retention and fallback.")
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig,
+                                                description="FLOPs of one step per module (DeepSpeed's section).")
     compile: CompileConfig = Field(default_factory=CompileConfig,
                                    description="torch.compile of each block (DeepSpeed's compile section).")
     activation_checkpointing: ActivationCheckpointingConfig | None = Field(

@@ -57,6 +57,7 @@ from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.compile import apply_compile
 from zeal.train.engine import EngineParts, TrainEngine
+from zeal.train.flops_profiler import FlopsProfiler
 from zeal.train.lr_schedules import build_scheduler
 from zeal.utils.process import set_malloc_thresholds
 from zeal.zero.apply import apply_zero
@@ -158,6 +159,8 @@ def initialize(
         engine.register_step_hook(token_drop)
     for hook in compression.step_hooks(zopt, mesh.dp):
         engine.register_step_hook(hook)
+    if cfg.flops_profiler.enabled:  # its figures: the hook's .result, and the report
+        engine.register_step_hook(FlopsProfiler(model, cfg.flops_profiler, mesh.rank))
     if mesh.ep_size > 1:  # checkpoints describe every expert, not only this rank's
         set_global_layout(engine)
     return engine

@@ -28,6 +28,7 @@ from zeal.dist.comm import Comm
 from zeal.models.gpt import sample_next
 from zeal.train import data_efficiency_job
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
+from zeal.utils.flops import flops_per_token, peak_flops
 from zeal.utils.process import apply_process_settings
 
 # ----------------------------------------------------------------------------------- data
@@ -174,6 +175,8 @@ class _Run:
     rss_before_model: int = 0
     de: Any = None  # data_efficiency_job.JobDataEfficiency: curricula, random-LTD, token counts
     tokens_before: int = 0  # tokens consumed before this process's first step (resume)
+    flops_per_token: float = 0.0  # model FLOPs of one token's forward and backward (zeal.utils.flops)
+    peak_flops: float = 0.0  # one rank's device peak
 
     @property
     def run_dir(self) -> Path:
@@ -236,13 +239,18 @@ def _start(spec: JobSpec) -> _Run:
     torch.manual_seed(spec.data.seed)
     tokenizer, blocks = prepare_data(spec)
     rss_before_model = peak_rss_bytes()
-    engine = initialize(build_model(spec, tokenizer.get_vocab_size()), spec.engine)
+    model = build_model(spec, tokenizer.get_vocab_size())
+    fpt = _flops_per_token(model, spec.data.seq_len)  # before ZeRO partitions the weights
+    engine = initialize(model, spec.engine)
     cfg = load_config(spec.engine)
     _, micro, accum = cfg.resolve_batch(engine.mesh.dp_size)
     run = _Run(spec, engine, cfg, tokenizer, blocks, micro, accum,
                MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume, report_to=j.report_to,
                            run_config=spec.model_dump()),
-               rss_before_model=rss_before_model)
+               rss_before_model=rss_before_model, flops_per_token=fpt)
+    run.peak_flops, source = peak_flops(engine.device.type, engine.device.index or 0)
+    run.say(f"mfu: {fpt:,.0f} model FLOPs per token (6N + attention) over a peak of {world_peak(run):.3g} FLOP/s "
+            f"({source}, times {engine.world_size} ranks)", flush=True)
     run.de = data_efficiency_job.build(cfg, blocks, micro, accum, engine.mesh.dp_size, engine.mesh.dp_rank,
                                        getattr(engine, "token_drop", None))
     token_sched = data_efficiency_job.token_scheduler(j, cfg, engine.optimizer, run.de.counter)
@@ -308,8 +316,10 @@ def _train(run: _Run) -> tuple[int, float, float]:
         done = step + 1
         elapsed = time.perf_counter() - t0
         speed = (run.tokens_done - tokens_at_start) / max(elapsed, 1e-9)
+        tflops = run.flops_per_token * speed / 1e12
         run.sink.log({"step": done, "kind": "train", "loss": train_loss, "lr": _current_lr(engine),
                       "grad_norm": _grad_norm(engine), "tokens": run.tokens_done, "tokens_per_s": speed,
+                      "tflops": tflops, "mfu": tflops * 1e12 / world_peak(run) if run.peak_flops else None,
                       "elapsed_s": run.elapsed_before + elapsed, **run.de.metrics()})
         bar.update(done, train_loss, speed)
         if j.eval_interval and done % j.eval_interval == 0 and done < j.steps:
@@ -319,6 +329,19 @@ def _train(run: _Run) -> tuple[int, float, float]:
     train_time = time.perf_counter() - t0
     bar.close()
     return final_step, train_loss, train_time
+
+
+def _flops_per_token(model: Any, seq_len: int) -> float:
+    """Model FLOPs per token of ``model`` (a module, or a factory built here on the meta device)."""
+    if not isinstance(model, torch.nn.Module):
+        with torch.device("meta"):
+            model = model()
+    return flops_per_token(model, seq_len)
+
+
+def world_peak(run: _Run) -> float:
+    """The job's peak FLOP/s: one rank's device peak times the ranks."""
+    return run.peak_flops * run.engine.world_size
 
 
 def _finish(run: _Run, eval_before: float, final_step: int, train_loss: float, train_time: float) -> dict[str, Any]:

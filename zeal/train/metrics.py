@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-CSV_COLUMNS = ("step", "kind", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s",
+CSV_COLUMNS = ("step", "kind", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops", "mfu", "elapsed_s",
                "curriculum_difficulty", "random_ltd_kept_tokens")
 
 

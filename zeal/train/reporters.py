@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 REPORTERS = ("tensorboard", "wandb")
-SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s")
+SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu")
 _PIP = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
