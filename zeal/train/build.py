@@ -16,7 +16,8 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    over the ZeRO masters, come after the engine); ``apply_tensor_parallel``: attention and
    MLP linears split over ``mesh.tp`` (:mod:`zeal.parallel.tensor`); ``apply_moe``: each MoE
    layer keeps this rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's
-   MoE ``ep_size``) — each changes the modules before ZeRO flattens their parameters;
+   MoE ``ep_size``); ``apply_tiling``: dense MLPs wrapped in TiledMLP, the tiled loss on
+   (:mod:`zeal.train.tiling`) — each changes the modules before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm, gradient reduction and (stage 3) the gather coordinator — it
    returns step hooks the engine runs around backward and step;
@@ -54,6 +55,7 @@ from zeal.precision.apply import apply_precision
 from zeal.train.activation_checkpointing import apply_activation_checkpointing
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.lr_schedules import build_scheduler
+from zeal.train.tiling import apply_tiling, attach_to_zero
 from zeal.utils.process import set_malloc_thresholds
 from zeal.zero.apply import apply_zero
 from zeal.zero.offload.apply import apply_offload
@@ -120,8 +122,10 @@ def initialize(
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
+    tiled = apply_tiling(model, cfg.tiling)  # ALST: dense MLPs over sequence tiles, the tiled logits loss
     groups = [[p for p in g if id(p) not in dropped] for g in groups]
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed)
+    attach_to_zero(tiled, zero.coordinator)  # stage 3: a TiledMLP gathers its MLP once, not per tile
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     zopt = apply_offload(cfg, zero, mesh, optimizer, precision.scaler)
     if tp is not None:
