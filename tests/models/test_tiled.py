@@ -158,3 +158,76 @@ def test_tiling_config_keys():
         load_config({"tiling": {"tiled_mlp": {"num_shards": 0}}})
     with pytest.raises(ConfigError, match="tiling.tiled_mlp"):
         load_config({"tiling": {"tiled_mlp": {"shards": 2}}})
+
+
+def test_hf_llama_mlps_tiled_in_place():
+    """A Hugging Face Llama: every LlamaMLP wrapped (model code untouched), parameter names
+    unchanged, loss and gradients as untiled; its loss stays Hugging Face's own."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(3)
+    ref = transformers.LlamaForCausalLM(cfg).train()
+    m = copy.deepcopy(ref)
+    wrapped = apply_tiling(m, TilingConfig.model_validate({"tiled_mlp": {"enabled": True, "num_shards": 3}}))
+    assert len(wrapped) == 2 and type(wrapped[0].inner).__name__ == "LlamaMLP"
+    assert list(m.state_dict()) == list(ref.state_dict())
+    ids = torch.randint(0, 64, (2, 13))
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    got = m(input_ids=ids, labels=ids).loss
+    got.backward()
+    _close(got, want)
+    for (n, a), (_, b) in zip(m.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=TOL, atol=TOL), n
+
+
+def _engine_losses(cfg: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import zeal
+
+    torch.manual_seed(4)
+    engine = zeal.initialize(Llama(_llama_cfg()), {"train_micro_batch_size_per_gpu": 2,
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, **cfg})
+    g = torch.Generator().manual_seed(9)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, 97, (2, 17), generator=g)
+        loss = engine(ids, labels=ids)
+        engine.backward(loss)
+        grads = {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return losses, grads
+
+
+def test_cpu_checkpointing_equals_plain_checkpointing():
+    """DeepSpeed's activation_checkpointing.cpu_checkpointing, with the tiling on as well:
+    the same losses and gradients as plain checkpointing (on a CPU device the inputs are
+    already in host memory; on CUDA they go to pinned host memory and back)."""
+    tiling = {"tiling": {"tiled_mlp": {"enabled": True, "num_shards": 3},
+                         "tiled_logits_loss": {"enabled": True, "num_shards": 4}}}
+    want = _engine_losses({"activation_checkpointing": {}, **tiling})
+    got = _engine_losses({"activation_checkpointing": {"cpu_checkpointing": True}, **tiling})
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (host offload of device activations)")
+def test_cpu_checkpointing_moves_checkpoints_off_the_device():
+    from zeal.models.checkpointing import CheckpointPolicy, run_blocks
+
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)).cuda()
+    x = torch.randn(4096, 256, device="cuda", requires_grad=True)
+    peaks, grads = [], []
+    for offload in (False, True):
+        policy = CheckpointPolicy(enabled=True, cpu_checkpointing=offload)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = run_blocks(blocks, x, policy)
+        peaks.append(torch.cuda.memory_allocated() - before)
+        out.sum().backward()
+        grads.append(x.grad.clone())
+        x.grad = None
+    assert torch.equal(grads[0], grads[1])
+    assert peaks[1] < peaks[0] - 6 * x.numel() * 4  # 7 of the 8 group inputs live on the host
