@@ -154,6 +154,9 @@ def test_tiling_config_keys():
     cfg = load_config({"tiling": {"tiled_mlp": {"enabled": True}, "tiled_logits_loss": {"enabled": True,
                                                                                          "num_shards": 8}}})
     assert cfg.tiling.tiled_mlp.num_shards == "auto" and cfg.tiling.tiled_logits_loss.num_shards == 8
+    written = load_config({"tiling": {"tiled_mlp": {"enabled": True, "num_shards": "auto"},  # not HF's "auto"
+                                      "tiled_logits_loss": {"enabled": True, "num_shards": "auto"}}})
+    assert written.tiling.tiled_mlp.num_shards == written.tiling.tiled_logits_loss.num_shards == "auto"
     with pytest.raises(ConfigError, match="tiling.tiled_mlp.num_shards"):
         load_config({"tiling": {"tiled_mlp": {"num_shards": 0}}})
     with pytest.raises(ConfigError, match="tiling.tiled_mlp"):
