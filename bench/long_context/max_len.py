@@ -134,16 +134,16 @@ def search(args: argparse.Namespace, mode: str) -> dict:
         else:
             bad = seq
         if bad is None:
-            seq *= 2
-            if seq > args.max:
-                break
+            if seq >= args.max:
+                break  # trained at the cap: the longest is at least this
+            seq = min(seq * 2, args.max)
         else:
             if good == 0 and seq <= args.resolution:
                 break
             seq = (good + bad) // 2 // args.resolution * args.resolution or args.resolution
             if seq <= good:
                 break
-    return {"mode": mode, "max_len": good, **({} if best is None else
+    return {"mode": mode, "max_len": good, "capped": bad is None and good >= args.max, **({} if best is None else
                                                 {"peak": best["peak"], "step_s": best["step_s"],
                                                  "built": best["built"], "params": best["params"]})}
 
@@ -161,7 +161,7 @@ def main() -> int:
     p.add_argument("--sp", type=int, default=1, help="sequence_parallel_size (ranks per trial)")
     p.add_argument("--start", type=int, default=1024, help="first length tried (default 1024)")
     p.add_argument("--resolution", type=int, default=512, help="bisect to this many tokens (default 512)")
-    p.add_argument("--max", type=int, default=1 << 20, help="longest length tried")
+    p.add_argument("--max", type=int, default=1 << 20, help="longest length tried (a trial there that trains ends the search)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--intermediate", type=int, default=2048)
@@ -196,9 +196,12 @@ def main() -> int:
     for r in results:
         extra = (f"peak {r['peak'] / 2**30:.2f} GiB (after build {r['built'] / 2**30:.2f}), step {r['step_s']:.1f} s, "
                  f"{r['params'] / 1e6:.1f}M params") if "peak" in r else "nothing trained"
-        print(f"{r['mode']:<8} sp {args.sp}: longest {r['max_len']} tokens; {extra}")
+        at_least = ">= " if r["capped"] else ""
+        print(f"{r['mode']:<8} sp {args.sp}: longest {at_least}{r['max_len']} tokens"
+              f"{' (the --max cap)' if r['capped'] else ''}; {extra}")
     if len(results) == 2 and results[0]["max_len"]:
-        print(f"tiled / untiled: {results[1]['max_len'] / results[0]['max_len']:.1f}x")
+        at_least = ">= " if results[1]["capped"] else ""
+        print(f"tiled / untiled: {at_least}{results[1]['max_len'] / results[0]['max_len']:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"budget": args.budget_bytes, "sp": args.sp, "results": results},
                                               indent=2))
