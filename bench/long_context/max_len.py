@@ -6,7 +6,8 @@ heads, vocabulary 32000, untied head) in bf16 with fp32 Adam masters, and runs o
 training step (forward, backward, optimizer step) on one random sequence of N tokens.
 A watchdog thread ends the trial as soon as its RSS passes the budget; a trial
 succeeds when the step finished and the process's peak RSS (``ru_maxrss``) is within
-the budget. The length is searched by doubling from ``--start`` and then bisecting to
+the budget. glibc returns freed blocks of 1 MiB and more at once (in both modes), so
+RSS measures live tensors rather than heap fragmentation. The length is searched by doubling from ``--start`` and then bisecting to
 ``--resolution`` tokens, per mode:
 
 * ``untiled``: the model as it is (no checkpointing, whole logits);
@@ -69,6 +70,12 @@ def trial(args: argparse.Namespace) -> int:
     import torch
 
     import zeal
+    from zeal.utils.process import set_malloc_thresholds
+
+    # Freed blocks of 1 MiB and more go back to the OS at once (what zeal does for stage 3):
+    # otherwise glibc keeps freed activations as heap holes and RSS measures fragmentation
+    # (tiled at 4096 tokens: 2.62 GiB peak with glibc's defaults, 2.19 GiB with this), for both modes.
+    set_malloc_thresholds(1 << 20)
     from zeal.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -76,17 +83,18 @@ def trial(args: argparse.Namespace) -> int:
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=1 << 22, tie_word_embeddings=False)
     engine = zeal.initialize(lambda: Llama(cfg), _config(args.mode, args.sp))
-    n_params = sum(p.numel() for p in engine.module.parameters()) * max(args.sp, 1) if args.sp > 1 else \
-        sum(p.numel() for p in engine.module.parameters())
+    n_params = sum(p.numel() for p in engine.module.parameters())  # full shapes, at any ZeRO stage
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
     loss = engine(ids, labels=ids)
     engine.backward(loss)
+    peak_fb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # forward + backward (and the build)
     engine.step()
     step_s = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"ok": True, "loss": float(loss), "peak": peak, "built": built, "step_s": step_s,
+    print(json.dumps({"ok": True, "loss": float(loss), "peak": peak, "peak_fb": peak_fb, "built": built,
+                      "step_s": step_s,
                       "params": n_params, "rank": int(os.environ.get("RANK", 0))}), flush=True)
     engine.close()
     return 0
@@ -127,6 +135,8 @@ def search(args: argparse.Namespace, mode: str) -> dict:
     while bad is None or bad - good > args.resolution:
         r = _run_trial(args, mode, seq)
         peak = f"peak {r['peak'] / 2**30:.2f} GiB" if "peak" in r else ""
+        if "peak_fb" in r:
+            peak += f" (fwd+bwd {r['peak_fb'] / 2**30:.2f})"
         step = f"step {r['step_s']:.1f} s" if r.get("step_s") else ""
         print(f"  {mode:<8} seq {seq:>7}: {'ok ' if r['ok'] else 'NO '} {peak} {step} {r.get('why', '')}", flush=True)
         if r["ok"]:
