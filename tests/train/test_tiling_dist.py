@@ -1,5 +1,5 @@
-"""ALST tiling on 2 gloo ranks: ZeRO-3 and vocabulary-parallel TP 2 train step by step as
-the same job untiled, and ZeRO-3 gathers a TiledMLP's parameters once per MLP call.
+"""ALST tiling on 2 gloo ranks: ZeRO-3 (zeal's Llama, Hugging Face's Llama) and
+vocabulary-parallel TP 2 train step by step as the same job untiled, and ZeRO-3 gathers a TiledMLP's parameters once per MLP call.
 
 Reference: the same engine configuration without the ``tiling`` section, on the same
 ranks and data. Tolerance 1e-6 relative on fp32 losses over 3 steps: the tiled
@@ -28,7 +28,16 @@ def _model():
                              num_attention_heads=4, num_key_value_heads=2))
 
 
-def _run(rank: int, cfg: dict) -> dict:
+def _hf_model():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _run(rank: int, cfg: dict, hf: bool = False) -> dict:
     import functools
 
     import zeal
@@ -36,7 +45,7 @@ def _run(rank: int, cfg: dict) -> dict:
     from zeal.zero.units import build_module_units
 
     zapply.build_module_units = functools.partial(build_module_units, coalesce_block_elems=0)  # a unit per linear
-    engine = zeal.initialize(_model(), cfg)
+    engine = zeal.initialize(_hf_model() if hf else _model(), cfg)
     g = torch.Generator().manual_seed(7)
     losses, gathers = [], []
     for _ in range(STEPS):
@@ -44,7 +53,8 @@ def _run(rank: int, cfg: dict) -> dict:
         labels = ids.clone()
         labels[1, 3:10] = -100
         rows = slice(2 * engine.mesh.dp_rank, 2 * engine.mesh.dp_rank + 2) if engine.mesh.dp_size > 1 else slice(0, 4)
-        loss = engine(ids[rows], labels=labels[rows])
+        loss = engine(input_ids=ids[rows], labels=labels[rows])
+        loss = loss.loss if hf else loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -61,14 +71,16 @@ def _ranks(rank: int, world: int) -> dict:
     tp = {**base, "train_micro_batch_size_per_gpu": 4, "tensor_parallel": {"autotp_size": 2},
           "zero_optimization": {"stage": 1}}
     return {"z3": _run(rank, z3), "z3_tiled": _run(rank, {**z3, "tiling": TILING}),
+            "hf": _run(rank, z3, hf=True), "hf_tiled": _run(rank, {**z3, "tiling": TILING}, hf=True),
             "tp": _run(rank, tp), "tp_tiled": _run(rank, {**tp, "tiling": TILING})}
 
 
 @pytest.mark.timeout(200)
 def test_tiling_under_zero3_and_vocab_parallel_tp2():
+    pytest.importorskip("transformers")
     results = run_ranks(_ranks, 2, timeout=180)
     for r in results:
-        for case in ("z3", "tp"):
+        for case in ("z3", "tp", "hf"):
             want, got = r[case]["losses"], r[f"{case}_tiled"]["losses"]
             assert want[-1] != want[0]  # it trains
             for w, g in zip(want, got):
