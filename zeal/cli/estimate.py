@@ -23,6 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
+from zeal.cli.estimate_long import run_long
 from zeal.zero.estimate import (
     ModelShape,
     Plan,
@@ -34,6 +35,7 @@ from zeal.zero.estimate import (
     parse_bytes,
     recommend,
 )
+from zeal.zero.estimate_long import LONG_CONTEXT_TOKENS
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "buffers", "step temps", "base+slack", "device", "cpu",
            "nvme")
@@ -66,6 +68,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--budget", help="device memory per rank, e.g. 16GB or 80GiB: recommend a configuration")
     p.add_argument("--cpu-budget", help="host memory per rank for offloaded state")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
+    p.add_argument("--long-context", action="store_true",
+                   help="plan one long sequence: sequence-parallel size x ALST tiling x checkpointing (taken by "
+                        "--budget from --seq-len 16384 on; docs/long_context.md)")
+    p.add_argument("--max-sp", type=int, default=64, help="largest sequence_parallel_size tried (default 64)")
     return p
 
 
@@ -115,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
     if micro < 1 or args.seq_len < 1:
         raise ValueError("--micro-batch and --seq-len must be >= 1")
     shape = _shape(args)
+    if args.long_context or (args.budget and args.seq_len >= LONG_CONTEXT_TOKENS):
+        if args.max_sp < 1:
+            raise ValueError(f"--max-sp must be >= 1, got {args.max_sp}")
+        return run_long(args, shape, precision)
     kw = dict(seq_len=args.seq_len, mixed_precision=precision != "fp32", flash_attention=not args.no_flash,
               host=args.device == "cpu")
     plans = all_plans(shape, args.world_size, micro_batch=micro, checkpointing=ckpt, **kw)

@@ -298,6 +298,8 @@ def resolve_auto(cfg: dict[str, Any], auto: AutoValues, notes: list[str]) -> Non
     }
     for path in list(_auto_paths(cfg)):
         node, leaf = _parent(cfg, path)
+        if path in RUNTIME_AUTO:
+            continue  # zeal's own "auto", chosen at run time from the tensors
         if path == "train_batch_size":
             del node[leaf]  # micro × accumulation × world, by the batch arithmetic
             continue
@@ -319,6 +321,8 @@ def resolve_auto(cfg: dict[str, Any], auto: AutoValues, notes: list[str]) -> Non
         notes.append(f"\"auto\" resolved: {path} = {value} (from {source})")
 
 
+# keys whose "auto" is a value of zeal's schema (resolved at run time), not Hugging Face's placeholder
+RUNTIME_AUTO = frozenset({"tiling.tiled_mlp.num_shards", "tiling.tiled_logits_loss.num_shards"})
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 _AUTO_HINT = {
     "train_micro_batch_size_per_gpu": "write it, or give train_batch_size",

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from zeal.config.compression import CompressionConfig
 from zeal.config.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
+from zeal.config.tiling import TilingConfig
 
 Auto = Literal["auto"]
 
@@ -321,6 +322,8 @@ class Config(Section):
                                    description="torch.compile of each block (DeepSpeed's compile section).")
     activation_checkpointing: ActivationCheckpointingConfig | None = Field(
         None, description="Recompute activations in backward (None = as the model itself says).")
+    tiling: TilingConfig = Field(default_factory=TilingConfig,
+                                 description="ALST tiling: TiledMLP and the tiled logits loss (docs/long_context.md).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="N:M sparsity (magnitude, ADMM) and quantization-aware training.")
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")

@@ -70,13 +70,16 @@ class CheckpointPolicy:
     :func:`zeal.moe.recompute.comm_aware`); ``logits_loss``, ``(project, cross_entropy)``
     used by :func:`causal_lm_loss` instead of ``(head, F.cross_entropy)`` (vocabulary
     parallelism: this rank's slice of the logits and the cross-entropy over the slices,
-    :mod:`zeal.parallel.vocab`)."""
+    :mod:`zeal.parallel.vocab`); ``loss_shards``: the loss is
+    :func:`zeal.models.tiled.tiled_logits_loss` over that many tiles (or ``"auto"``), set by
+    the ``tiling`` section (:mod:`zeal.train.tiling`)."""
 
     enabled: bool = False
     every: int = 1
     cpu_checkpointing: bool = False
     profile: bool = False
     use_reentrant: bool = False
+    loss_shards: int | str | None = None  # tiles of the tiled logits loss (zeal.models.tiled); None = off
     counter: RecomputeCounter = field(default_factory=RecomputeCounter, compare=False)
     recompute: tuple[Callable[[Callable], Callable], ...] = ()
     logits_loss: tuple[Callable, Callable] | None = field(default=None, compare=False)
@@ -130,6 +133,13 @@ def causal_lm_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, polic
     policy's ``logits_loss`` (vocabulary parallelism) replaces the head's projection and
     the cross-entropy."""
     project, ce = policy.logits_loss or (head, F.cross_entropy)
+    if policy.loss_shards is not None:  # ALST's tiled loss: (sum, count) over tiles of rows, exact mean
+        from zeal.models.tiled import tiled_logits_loss
+
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # next-token targets; the last position scores none
+        total, count = tiled_logits_loss(project, h, targets, policy.loss_shards, params=list(head.parameters()),
+                                         cross_entropy=ce, vocab=_out_features(head, h))
+        return total / count.clamp(min=1)
     if not (policy.enabled and torch.is_grad_enabled() and head.training):
         logits = project(h)
         return ce(logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -195,7 +205,24 @@ def _boundary_storage(policy: CheckpointPolicy, x: torch.Tensor) -> contextlib.A
         _log_once("activation_checkpointing.cpu_checkpointing: the activations are already in CPU memory; "
                   "no effect on a CPU device")
         return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host)
+
+
+def _pack_to_host(t: torch.Tensor) -> tuple[torch.device, torch.Tensor]:
+    """A saved tensor's copy in pinned host memory. The device-to-host copy is queued
+    without waiting: nothing reads the host copy before the host-to-device copy back,
+    which the same stream orders after it (the pinned block is kept by torch's host
+    allocator until that copy is done)."""
+    if not t.is_cuda:
+        return t.device, t
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return t.device, host
+
+
+def _unpack_from_host(packed: tuple[torch.device, torch.Tensor]) -> torch.Tensor:
+    device, t = packed
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 class Checkpointable:

@@ -16,7 +16,8 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    over the ZeRO masters, come after the engine); ``apply_tensor_parallel``: attention and
    MLP linears split over ``mesh.tp`` (:mod:`zeal.parallel.tensor`); ``apply_moe``: each MoE
    layer keeps this rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's
-   MoE ``ep_size``) — each changes the modules before ZeRO flattens their parameters;
+   MoE ``ep_size``); ``apply_tiling``: dense MLPs wrapped in TiledMLP, the tiled loss on
+   (:mod:`zeal.train.tiling`) — each changes the modules before ZeRO flattens their parameters;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm (MoE's expert parameters over ``mesh.edp``, handed in as a
    CommGroup), gradient reduction and (stage 3) the gather coordinator — it returns step
@@ -59,6 +60,7 @@ from zeal.train.compile import apply_compile
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.flops_profiler import FlopsProfiler
 from zeal.train.lr_schedules import build_scheduler
+from zeal.train.tiling import apply_tiling, attach_to_zero
 from zeal.utils.process import set_malloc_thresholds
 from zeal.zero.apply import apply_zero
 from zeal.zero.offload.apply import apply_offload
@@ -125,10 +127,12 @@ def initialize(
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
+    tiled = apply_tiling(model, cfg.tiling)  # ALST: dense MLPs over sequence tiles, the tiled logits loss
     groups = [[p for p in g if id(p) not in dropped] for g in groups]
     experts = expert_comm_group(model, mesh)  # MoE: expert parameters live over the expert-data group
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed,
                       comm_groups=[experts] if experts is not None else None)
+    attach_to_zero(tiled, zero.coordinator)  # stage 3: a TiledMLP gathers its MLP once, not per tile
     apply_compile(model, cfg.compile)  # last: each block's forward as the steps above left it
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     # tensor parallelism: split parameters' squared gradient norms are summed over tp
