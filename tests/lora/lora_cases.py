@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 STEPS, MICRO, SEQ, LR, WORLD, VOCAB = 3, 2, 12, 1e-2, 2, 67
+WD = 0.1  # stated on both sides: torch's AdamW and zeal's config default differ
 
 
 def hf_model(seed: int = 0):
@@ -51,7 +52,7 @@ def peft_losses(**lora_kw) -> list[float]:
     """PEFT training in one plain process on the whole batch of every step."""
     model = peft_model(**lora_kw)
     model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     losses = []
     for per_rank in data():
         ids = torch.cat(per_rank)
@@ -64,7 +65,7 @@ def peft_losses(**lora_kw) -> list[float]:
 
 
 def engine_config(folder, stage: int = 0, **extra) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+    return {"train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
             "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
             "lora": {"enabled": True, "adapter": str(folder)}, **extra}
 
