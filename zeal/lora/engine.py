@@ -36,7 +36,7 @@ def lora_step(model: nn.Module, cfg: Config) -> LoraState | None:
                           "parallelism to spread the frozen base)")
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("lora needs the base model's weights loaded: the model is on the meta device "
-                          "(load a pretrained model, or build it with real tensors)")
+                          "(fine-tune a pretrained model: zeal train --model PATH --lora ...)")
     try:
         return apply_lora(model, lc, cfg.seed)
     except (ValueError, FileNotFoundError) as e:
