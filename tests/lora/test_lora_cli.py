@@ -39,6 +39,19 @@ def _zeal(env: dict, *args: str) -> str:
     return r.stdout
 
 
+def test_train_flag_sets_the_lora_section():
+    import argparse
+
+    from zeal.cli.train import add_parser, build_spec
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    args, extra = parser.parse_known_args(["train", "--nproc", "1", "--lora", "r=4,target_modules=q_proj,v_proj"])
+    lora = build_spec(args, extra).engine["lora"]
+    assert lora["enabled"] and lora["r"] == 4 and lora["target_modules"] == ["q_proj", "v_proj"]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_train_lora_writes_peft_adapter_and_merged_export(tmp_path):
     transformers = pytest.importorskip("transformers")

@@ -88,3 +88,12 @@ def test_only_adapters_get_optimizer_state(tmp_path):
     zeal_losses(engine, None)
     assert torch.equal(base, engine.module.model.layers[0].self_attn.q_proj.weight)  # frozen base untouched
     engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_sync_stream_merged_zero3_two_ranks(pool, tmp_path):
+    """The hybrid engine's weight sync at ZeRO 3: base and factors arrive unit by unit."""
+    from tests.lora.test_lora_rlhf import _sync
+
+    write_initial_adapter(tmp_path)
+    assert max(pool.run(_sync, str(tmp_path), 3, timeout=100)) <= 1e-6
