@@ -101,3 +101,32 @@ def _sync(rank, world, folder, stage):
 def test_sync_stream_merged_zero0(tmp_path):
     write_initial_adapter(tmp_path)
     assert _sync(0, 1, str(tmp_path), 0) <= 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_hybrid_engine_serves_the_merged_policy_and_grpo_runs(tmp_path):
+    """After LoRA steps the serving copy generates the merged policy's greedy tokens and
+    log-probs; a short GRPO run with lora (reference = adapters off) keeps the serving and
+    training log-probs together and trains adapters only."""
+    import copy
+
+    import zeal
+    from tests.rlhf.test_e2e import PROMPTS, fraction_of_target
+    from tests.rlhf.test_hybrid import _check, _train_step
+    from zeal.lora.merge import merge_and_unload
+    from zeal.rlhf import grpo
+
+    write_initial_adapter(tmp_path)
+    engine = zeal.initialize(zeal_model(), engine_config(tmp_path))
+    _train_step(engine, 1)
+    reference = merge_and_unload(copy.deepcopy(engine.module)).eval()
+    assert _check(engine, reference) < 1e-4
+    engine.close()
+    cfg = {"lora": {"enabled": True, "adapter": str(tmp_path)},
+           "rlhf": {"steps": 2, "batch_size": 2, "num_generations": 2, "max_new_tokens": 4,
+                    "generation_dtype": "fp32", "beta": 0.1}}
+    res = grpo(zeal_model(), fraction_of_target, PROMPTS, cfg)
+    assert all(".lora_" in n for n, p in res.engine.module.named_parameters() if p.requires_grad)
+    assert max(r["logprob_diff"] for r in res.metrics) < 1e-4
+    assert all(r["kl"] > 0 for r in res.metrics)  # the adapters already differ from the base
+    res.engine.close()
