@@ -28,7 +28,7 @@ def export(args: argparse.Namespace) -> int:
     one line on stderr, when the checkpoint is unusable)."""
     try:
         s = export_hf(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype,
-                      tokenizer=getattr(args, "tokenizer", None))
+                      tokenizer=getattr(args, "tokenizer", None), merge_lora=getattr(args, "merge_lora", False))
     except CheckpointError as e:
         return _failed("export", e)
     print(f"exported {s['checkpoint']} -> {s['out']}: {s['tensors']} tensors, {_size(s['bytes'])} "

@@ -134,13 +134,35 @@ def _specs(plan: list, meta: dict, shards: SavedShards, tdt: torch.dtype) -> lis
     return specs
 
 
+def _lora_specs(specs: list[TensorSpec], plan: list, meta: dict, shards: SavedShards, tdt: torch.dtype,
+                merge: bool, folder: Path) -> list[TensorSpec]:
+    """LoRA checkpoints: the adapters merged (``merge``), else a one-line refusal."""
+    has_lora = any(k.endswith(".lora_A.weight") for k in meta["params"])
+    if not merge:
+        if has_lora:
+            raise CheckpointError(f"{folder} holds LoRA adapters: export it with --merge-lora (base + adapter "
+                                  "merged), or write the adapter alone with engine.save_adapter")
+        return specs
+    if not has_lora:
+        raise CheckpointError(f"--merge-lora: {folder} holds no LoRA adapters")
+    from zeal.lora.merge import merge_checkpoint_specs
+
+    return merge_checkpoint_specs(
+        specs, meta, lambda n: shards.full("param", n, meta["params"][n]["shape"], torch.float32),
+        lambda n: shards.whole(f"buffer/{n}", dtype=cf.DTYPE_BY_NAME[meta["buffers"][n]["dtype"]]), tdt,
+        {name for name, _, _, transpose in plan if transpose})
+
+
 def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, dtype: str = "fp32",
-              max_shard_bytes: int = 5 * 1024**3, tokenizer: str | Path | None = None) -> dict[str, Any]:
+              max_shard_bytes: int = 5 * 1024**3, tokenizer: str | Path | None = None,
+              merge_lora: bool = False) -> dict[str, Any]:
     """Write ``out/config.json`` and ``out/model.safetensors`` (or shards plus
     ``model.safetensors.index.json`` above ``max_shard_bytes``) in ``dtype``
     (fp32/bf16/fp16), and the tokenizer files when a tokenizer is found (``tokenizer``:
     a ``tokenizer.json`` or a folder holding one; default: the run folder's); returns
-    a summary. The checkpoint is verified first."""
+    a summary. The checkpoint is verified first. A checkpoint of LoRA training exports
+    only with ``merge_lora`` (the adapters merged into their base weights, see
+    :func:`zeal.lora.merge.merge_checkpoint_specs`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     folder = find_checkpoint(checkpoint, tag)
@@ -150,6 +172,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, tag: str | None = None, d
     try:
         plan, config = _plan(meta)
         specs = _specs(plan, meta, shards, tdt)
+        specs = _lora_specs(specs, plan, meta, shards, tdt, merge_lora, folder)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise CheckpointCorruptError(f"{folder / META}: malformed ({type(e).__name__}: {e})") from None
     shards: list[list[TensorSpec]] = [[]]

@@ -36,6 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="stored dtype")
     e.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json or a folder holding one (default: the run folder's tokenizer.json)")
+    e.add_argument("--merge-lora", action="store_true",
+                   help="merge the LoRA adapters of a LoRA training checkpoint into their base weights")
     i = sub.add_parser("inspect", help="print step, world size, stage and tensors; verify checksums",
                        allow_abbrev=False)
     i.add_argument("checkpoint", help="checkpoint folder")

@@ -46,6 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="PPO/GRPO: dtype of the hybrid engine's serving copy (rlhf.generation_dtype; default auto)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the engine(s) (zero_optimization.stage; default: the config's, else 0)")
+    p.add_argument("--lora", nargs="?", const="", metavar="K=V,...",
+                   help="train LoRA adapters (as zeal train --lora); the reference is the base with adapters "
+                        "off; the run folder gets adapter/ (PEFT) and model/ (merged)")
     p.add_argument("--nproc", type=int, default=1,
                    help="processes (data-parallel ranks, started through torchrun as 'zeal train' does); "
                         "rlhf.batch_size is per rank, rank 0 writes the run folder")
@@ -53,7 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 # the options a launched rank gets again, as given (--nproc is the launcher's own)
-_FORWARDED = ("model", "data", "steps", "out", "config", "reward", "reward_model", "generation_dtype", "zero_stage")
+_FORWARDED = ("model", "data", "steps", "out", "config", "reward", "reward_model", "generation_dtype", "zero_stage",
+              "lora")
 
 
 def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
@@ -61,7 +65,8 @@ def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
     for name in _FORWARDED:
         value = str(out) if name == "out" else getattr(args, name)
         if value is not None:
-            argv += [f"--{name.replace('_', '-')}", str(value)]
+            flag = f"--{name.replace('_', '-')}"
+            argv += [f"{flag}={value}"] if name == "lora" else [flag, str(value)]  # --lora's value may be empty
     return argv
 
 
@@ -143,9 +148,14 @@ def _export(result, out: Path, model_path: str | None, job: str) -> None:
                 result.extra["value_model"].save(out / "value_model.safetensors")
                 (out / "reward_model.json").write_text(json.dumps({"base": model_path}))
         return
-    with engine.gathered_parameters():
-        if engine.rank == 0 and hasattr(engine.module, "save_hf_folder"):
-            engine.module.save_hf_folder(out / "model")
+    if getattr(engine, "lora", None) is not None:  # LoRA: adapter/ (PEFT) and the merged model/
+        from zeal.lora.rlhf import export_lora
+
+        export_lora(engine, out)
+    else:
+        with engine.gathered_parameters():
+            if engine.rank == 0 and hasattr(engine.module, "save_hf_folder"):
+                engine.module.save_hf_folder(out / "model")
     if engine.rank == 0 and (out / "model").is_dir():
         src = resolve_model_path(model_path)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
@@ -206,6 +216,13 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         rc.generation_dtype = args.generation_dtype
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
+    if getattr(args, "lora", None) is not None:
+        from zeal.lora.cli import parse_lora_flag
+
+        if job == "rm":
+            raise ValueError("zeal rlhf rm --lora is not supported: the reward model's value head must train whole")
+
+        engine_cfg["lora"] = {**(engine_cfg.get("lora") or {}), **parse_lora_flag(args.lora)}
     rows = check_inputs(args) or arithmetic_rows(64, rc.seed)
     config = {**engine_cfg, "rlhf": rc.model_dump()}
     model = args.model

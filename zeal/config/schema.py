@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from zeal.config.compression import CompressionConfig
 from zeal.config.data_efficiency import DataEfficiencyConfig, LegacyCurriculumConfig
+from zeal.config.lora import LoraConfig
 from zeal.config.tiling import TilingConfig
 
 Auto = Literal["auto"]
@@ -326,6 +327,8 @@ class Config(Section):
                                  description="ALST tiling: TiledMLP and the tiled logits loss (docs/long_context.md).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="N:M sparsity (magnitude, ADMM) and quantization-aware training.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA / QLoRA adapters on a frozen base "
+                             "(zeal.lora; applied before every other step).")
     steps_per_print: int = Field(10, ge=1, description="Log every N optimizer steps (rank 0).")
     wall_clock_breakdown: bool = Field(False, description="Time forward, backward, reduce, step and gather.")
     seed: int = Field(1234, ge=0, lt=SEED_LIMIT,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zeal.inference.sampling_params import SamplingParams
+from zeal.lora.rlhf import reference_policy
 from zeal.rlhf import formulas as fm
 from zeal.rlhf.batch import answer_logprobs, pack
 from zeal.rlhf.common import (
@@ -24,7 +25,6 @@ from zeal.rlhf.common import (
     disable_dropout,
     dp_slice,
     encode_prompt,
-    frozen_copy,
     load_policy,
     say,
     set_seed,
@@ -65,7 +65,7 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     gen = set_seed(rc.seed)
     pol = load_policy(model, tokenizer, eos_token_ids, job="grpo")
     disable_dropout(pol.model)
-    ref = frozen_copy(pol.model) if rc.beta else None
+    ref = reference_policy(pol.model, engine_cfg) if rc.beta else None  # LoRA: the base, adapters off
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
     G = rc.num_generations
     engine = build_engine(pol.model, engine_cfg, rc.batch_size * G, job="grpo")

@@ -21,6 +21,7 @@ from torch import nn
 from zeal.inference.llm import LLM
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
+from zeal.lora.rlhf import sync_stream
 
 
 @dataclass
@@ -108,7 +109,7 @@ class HybridEngine:
         calls it; at ZeRO-3 unit by unit). Returns the number of tensors copied."""
         t0 = time.perf_counter()
         was_training = self.engine.module.training
-        n = self.llm.load_weights((name, p.detach()) for name, p in self.engine.iter_gathered_parameters())
+        n = self.llm.load_weights((name, p.detach()) for name, p in sync_stream(self.engine))  # LoRA: merged
         self.engine.module.train(was_training)
         self.num_syncs += 1
         self.times.sync += time.perf_counter() - t0

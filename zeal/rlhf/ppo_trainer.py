@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from zeal.inference.sampling_params import SamplingParams
+from zeal.lora.rlhf import reference_policy, without_lora
 from zeal.rlhf import formulas as fm
 from zeal.rlhf.batch import Packed, answer_logprobs, pack, policy_logprobs
 from zeal.rlhf.common import (
@@ -100,14 +101,14 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     gen = set_seed(rc.seed)
     pol = load_policy(model, tokenizer, eos_token_ids, job="ppo")
     disable_dropout(pol.model)
-    ref = frozen_copy(pol.model)
+    ref = reference_policy(pol.model, engine_cfg)  # LoRA: the actor's base with adapters off
     if critic is None:
         critic = ValueModel.from_lm(reward.lm) if isinstance(reward, ValueModel) else ValueModel.from_lm(pol.model)
     if isinstance(reward, nn.Module):
         reward = frozen_copy(reward)
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
     actor = build_engine(pol.model, engine_cfg, rc.batch_size, job="ppo", what="actor engine")
-    critic_engine = build_engine(critic, engine_cfg, rc.batch_size, lr=rc.critic_lr, job="ppo",
+    critic_engine = build_engine(critic, without_lora(engine_cfg), rc.batch_size, lr=rc.critic_lr, job="ppo",
                                  what="critic engine")
     hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(actor.module.parameters()).dtype,

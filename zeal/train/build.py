@@ -45,6 +45,7 @@ from zeal.data.random_ltd import apply_token_drop
 from zeal.data.sampler import ResumableDistributedSampler
 from zeal.dist.context import init_distributed
 from zeal.dist.mesh import Mesh, build_mesh
+from zeal.lora.engine import lora_step, lora_tp_step
 from zeal.moe.apply import apply_moe, model_ep_size
 from zeal.moe.layout import set_global_layout
 from zeal.moe.zero import expert_comm_group
@@ -107,6 +108,7 @@ def initialize(
         _, micro, accum = cfg.resolve_batch(mesh.dp_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    lora = lora_step(model, cfg)  # adapters on the plain model, the base frozen (zeal.lora), before any split
     stage = apply_pipeline(model, cfg, mesh, accum)  # this rank's pipeline stage (None without one)
     init = init_fn or default_init_fn(model)
     client_groups = _client_groups(model_parameters) if optimizer is None and model_parameters is not None else None
@@ -120,6 +122,7 @@ def initialize(
     token_drop = _token_drop(model, cfg)
     compression = apply_compression(model, cfg.compression)
     tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
+    lora_tp_step(model, lora, tp)  # adapters split with their base linears
     if tp is not None:  # embedding and head split by vocabulary rows where T divides V (per pipeline stage)
         apply_vocab_parallel(model, tp, stage)
     if tp is not None:  # random ops inside split pairs draw from a per-tp-rank (and per-pp-stage) stream
@@ -157,6 +160,7 @@ def initialize(
     engine = TrainEngine(parts) if stage is None else PipelineEngine(parts, stage, cfg.pipeline_parallel.schedule)
     for hook in zero.hooks:
         engine.register_step_hook(hook)
+    engine.lora = lora  # the adapters (None without): engine.save_adapter, zeal.lora.engine.disable_adapters
     engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
     if token_drop is not None:
         token_drop.dp_size = mesh.dp_size  # consumed layer-tokens count every data-parallel rank's

@@ -386,6 +386,13 @@ class TrainEngine:
                 torch.save(state, path)
         return True
 
+    def save_adapter(self, path: str) -> str:
+        """Write the LoRA adapter as a PEFT folder (``adapter_config.json`` +
+        ``adapter_model.safetensors``); every rank must call it (see :mod:`zeal.lora.engine`)."""
+        from zeal.lora.engine import save_adapter
+
+        return str(save_adapter(self, path))
+
     # -- sharded state and checkpoints ----------------------------------------------------
     def sharded_state(self) -> contextlib.AbstractContextManager[ShardedState]:
         """``with engine.sharded_state() as st:`` — the boxes of every parameter this rank

@@ -358,6 +358,9 @@ def _finish(run: _Run, eval_before: float, final_step: int, train_loss: float, t
         text = sample(engine, run.tokenizer, j.sample_prompt, j.sample_tokens, j.temperature, j.top_k,
                       spec.data.seq_len, spec.data.seed)
         run.say("sample:\n" + text + "\n", flush=True)
+    if getattr(engine, "lora", None) is not None:  # LoRA: the adapter as a PEFT folder (every rank gathers)
+        engine.save_adapter(str(run.run_dir / "adapter"))
+        run.say(f"wrote the LoRA adapter (PEFT folder) to {run.run_dir / 'adapter'}", flush=True)
     breakdown = engine.wall_clock_breakdown() if cfg.wall_clock_breakdown else None
     if breakdown:
         run.say("wall clock breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in breakdown.items()), flush=True)
