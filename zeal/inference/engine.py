@@ -21,7 +21,7 @@ from torch import nn
 
 from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
-from zeal.inference.lora_adapters import LoadedAdapter, LoRARegistry
+from zeal.inference.lora_adapters import LoadedAdapter, LoRARegistry, runtime_updating_allowed
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
 from zeal.inference.outputs import CompletionOutput, RequestOutput, StepStats
@@ -99,7 +99,7 @@ class LLMEngine:
         self._weights_released = Released()
         self._weights_discarded = False  # sleep(level=2) until load_weights
         self.loras: LoRARegistry | None = None  # multi-LoRA serving (cfg.lora)
-        if cfg.lora.enabled:
+        if cfg.lora.enabled or runtime_updating_allowed(cfg.lora):
             self._enable_lora(smodel)
 
     def _enable_lora(self, model: nn.Module) -> None:

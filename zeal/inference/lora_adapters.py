@@ -28,7 +28,7 @@ from zeal.config.inference import LoRAServingConfig
 from zeal.inference.multi_lora import MultiLoRA
 from zeal.lora.peft_folder import read_adapter
 
-__all__ = ["LoRAError", "LoRARegistry", "LoadedAdapter", "runtime_updating_allowed"]
+__all__ = ["LoRAError", "LoRANotFoundError", "LoRARegistry", "LoadedAdapter", "runtime_updating_allowed"]
 
 log = logging.getLogger("zeal.inference")
 
@@ -47,6 +47,13 @@ class LoRAError(ValueError):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
+
+
+class LoRANotFoundError(LoRAError):
+    """A request or an unload names an adapter that is not served (HTTP 404)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(404, message, "model_not_found", "model")
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class LoRARegistry:
         """The adapter served as ``name`` (404 when none is)."""
         a = self.by_name.get(name)
         if a is None:
-            raise LoRAError(404, f"the LoRA adapter {name!r} is not loaded", "model_not_found", "model")
+            raise LoRANotFoundError(f"the LoRA adapter {name!r} is not loaded")
         return a
 
     def load(self, name: str, path: str) -> LoadedAdapter:
