@@ -71,7 +71,8 @@ def adapters(llama_dir, tmp_path_factory):
 
 def _engine(path, loras: dict[str, str], **kw) -> LLMEngine:
     model, _ = load_hf_model(path, torch.float32)
-    lcfg = LoRAServingConfig(lora_modules=[f"{k}={v}" for k, v in loras.items()], max_loras=4, max_lora_rank=8)
+    lcfg = LoRAServingConfig(enable_lora=True, lora_modules=[f"{k}={v}" for k, v in loras.items()], max_loras=4,
+                             max_lora_rank=8)
     return LLMEngine(model.eval(), None, EngineConfig(block_size=4, num_blocks=256, lora=lcfg, **kw))
 
 
@@ -194,3 +195,58 @@ def test_unload_in_use_drains(llama_dir, adapters, reference):
         out = next((o for o in engine.step() if o.finished), out)
     assert out.outputs[0].token_ids == ref["a"][0]
     assert engine.runner.lora.num_free_slots == 3 and not engine.loras.draining
+
+
+def _serve_cfg(argv: list[str]):
+    from zeal.cli.main import build_parser
+    from zeal.cli.serve import config_from_args
+
+    parser, _ = build_parser("serve")
+    return config_from_args(parser.parse_args(["serve", "BASE", *argv]))
+
+
+def test_serve_lora_flags():
+    """vLLM's flags: name=path and JSON entries, max_loras / max_lora_rank; bad entries are
+    one-line errors at start-up."""
+    cfg = _serve_cfg(["--lora-modules", "sql=/a", '{"name": "chat", "path": "/b", "base_model_name": "BASE"}',
+                      "--max-loras", "2", "--max-lora-rank", "32", "--allow-runtime-lora-updating"]).engine.lora
+    assert [(m.name, m.path) for m in cfg.lora_modules] == [("sql", "/a"), ("chat", "/b")]
+    assert cfg.max_loras == 2 and cfg.max_lora_rank == 32 and cfg.allow_runtime_lora_updating and cfg.enabled
+    assert not _serve_cfg([]).engine.lora.enabled
+    for argv, msg in [(["--lora-modules", "nopath"], "not name=path"),
+                      (["--lora-modules", "a=/x", "a=/y"], "given twice"),
+                      (["--lora-modules", "a=/x", "b=/y", "--max-loras", "1"], "exceed max_loras 1"),
+                      (["--lora-modules", "{bad"], "not valid JSON")]:
+        with pytest.raises(ValueError, match=msg):
+            _serve_cfg(argv)
+
+
+def test_refused_configurations(llama_dir, adapters, tmp_path):
+    """What multi-LoRA serving does not do is refused in one line: adapters on the output
+    head, modules_to_save, an adapter of another base model, tensor parallelism."""
+    from zeal.lora.peft_folder import read_adapter, write_adapter
+
+    head = make_adapter(llama_dir, tmp_path / "head", 4, r=2, target_modules=["q_proj", "lm_head"])
+    engine = _engine(llama_dir, {})
+    with pytest.raises(LoRAError, match="output head"):
+        engine.load_lora_adapter("h", str(head))
+    saved = make_adapter(llama_dir, tmp_path / "saved", 5, r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    with pytest.raises(LoRAError, match="modules_to_save"):
+        engine.load_lora_adapter("s", str(saved))
+    other = read_adapter(adapters["a"])
+    for pair in other.lora.values():
+        pair.A = torch.zeros(pair.rank, 7)
+    write_adapter(tmp_path / "other", other)
+    with pytest.raises(LoRAError, match="another base model"):
+        engine.load_lora_adapter("o", str(tmp_path / "other"))
+    assert engine.runner.lora.num_free_slots == 4
+
+    class _TP:  # rank 0's group as the engine sees it
+        size = 2
+
+        def attach(self, runner):
+            pass
+
+    model, _ = load_hf_model(llama_dir, torch.float32)
+    with pytest.raises(ValueError, match="LoRA serving is not supported with tensor_parallel_size 2"):
+        LLMEngine(model, None, EngineConfig(num_blocks=8, lora=LoRAServingConfig(enable_lora=True)), tp=_TP())

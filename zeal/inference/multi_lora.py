@@ -66,10 +66,6 @@ class LoRAWeights:
         """Check ``adapter`` against the served model and convert it. Raises ``ValueError``
         naming the first problem (an unknown or non-adaptable module, a shape that does not
         fit, a rank above ``max_rank``, tensors this engine cannot apply)."""
-        if adapter.saved:
-            first = sorted(adapter.saved)[0]
-            raise ValueError(f"{source}: holds {first} (modules_to_save or trained biases), which multi-LoRA serving "
-                             "cannot apply per request; serve a merged model instead")
         if not adapter.lora:
             raise ValueError(f"{source}: holds no LoRA tensors")
         rank = max(p.rank for p in adapter.lora.values())
@@ -92,6 +88,10 @@ class LoRAWeights:
             a[:r] = pair.A.to(device=device, dtype=torch.float32).to(dtype)
             b[:, :r] = (pair.B.to(device=device, dtype=torch.float32) * pair.scaling).to(dtype)
             factors[mod] = (a, b)
+        if adapter.saved:
+            first = sorted(adapter.saved)[0]
+            raise ValueError(f"{source}: holds {first} (modules_to_save or trained biases), which multi-LoRA serving "
+                             "cannot apply per request; serve a merged model instead")
         return cls(factors, rank)
 
     @property
