@@ -250,3 +250,33 @@ def test_refused_configurations(llama_dir, adapters, tmp_path):
     model, _ = load_hf_model(llama_dir, torch.float32)
     with pytest.raises(ValueError, match="LoRA serving is not supported with tensor_parallel_size 2"):
         LLMEngine(model, None, EngineConfig(num_blocks=8, lora=LoRAServingConfig(enable_lora=True)), tp=_TP())
+
+
+@pytest.mark.timeout(60)
+def test_int8_matmul_base_equals_dequantized_base(llama_dir, adapters, reference):
+    """With the base's linears computing by int8 weight-only matmuls (quantized_matmul), each
+    request gets the tokens of the dequantized base plus its adapter."""
+    from zeal.inference.quant_linear import Int8Linear, int8_supported
+
+    if not int8_supported(64, torch.float32, torch.device("cpu")):
+        pytest.skip("torch._weight_int8pack_mm unavailable")
+    qmodel, _ = load_hf_model(llama_dir, torch.float32)
+    dmodel, _ = load_hf_model(llama_dir, torch.float32)
+    with torch.no_grad():
+        for ql, dl in zip(qmodel.model.layers, dmodel.model.layers):
+            for part in ("self_attn", "mlp"):
+                for name, lin in list(getattr(ql, part).named_children()):
+                    if not isinstance(lin, torch.nn.Linear):
+                        continue
+                    w = lin.weight
+                    scales = w.abs().amax(1) / 127
+                    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+                    setattr(getattr(ql, part), name, Int8Linear(codes, scales, lin.bias, torch.float32))
+                    getattr(getattr(dl, part), name).weight.copy_(codes.float() * scales[:, None])
+    prompts, _ = reference
+    jobs = [(p, name) for p in prompts for name in ("a", None, "b")]
+    lcfg = LoRAServingConfig(lora_modules=[f"{k}={v}" for k, v in adapters.items()], max_loras=2, max_lora_rank=8)
+    got = [_run(LLMEngine(m.eval(), None, EngineConfig(block_size=4, num_blocks=128, lora=lcfg)), jobs)
+           for m in (qmodel, dmodel)]
+    assert got[0] == got[1]
+    assert got[0][0] != got[0][1]  # adapter a changed the tokens
