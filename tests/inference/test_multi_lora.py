@@ -120,6 +120,24 @@ def test_chunked_prefill_and_speculative_match_peft(llama_dir, adapters, referen
 
 
 @pytest.mark.timeout(60)
+def test_draft_model_speculation_keeps_each_adapter(llama_dir, adapters, reference):
+    """A draft model (the base's first layer, no adapter) proposes; the target verifies with
+    each request's adapter, so the output is still PEFT's greedy output per adapter."""
+    from zeal.inference.draft_model import first_layers
+
+    prompts, ref = reference
+    model, _ = load_hf_model(llama_dir, torch.float32)
+    draft = first_layers(load_hf_model(llama_dir, torch.float32)[0], 1)
+    lcfg = LoRAServingConfig(lora_modules=[f"{k}={v}" for k, v in adapters.items()], max_loras=2, max_lora_rank=8)
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": 2}
+    engine = LLMEngine(model.eval(), None, EngineConfig(block_size=4, num_blocks=128, lora=lcfg,
+                                                        speculative_config=spec), draft_model=draft)
+    jobs = [(p, name) for p in prompts for name in ("a", "b", None)]
+    assert _run(engine, jobs) == [ref[name][i] for i in range(len(prompts)) for name in ("a", "b", None)]
+    assert engine.metrics.spec_draft_tokens_total > 0
+
+
+@pytest.mark.timeout(60)
 def test_prefix_cache_does_not_leak_across_adapters(llama_dir, adapters):
     """The same prompt under the base, adapter a and adapter b: each computes its own KV
     (no cross hits), and a repeat under the same adapter hits its own blocks."""
