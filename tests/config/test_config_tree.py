@@ -65,6 +65,7 @@ def test_serve_flags_come_from_the_inference_section(capsys):
              "--speculative-config", "--weights-offload", "--max-resident-weights-gb", "--offload-dir",
              "--weights-offload-quant", "--quantized-matmul",
              "--tensor-parallel-size", "--no-engine-process", "--no-disable-additional-properties"]
+    flags += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--allow-runtime-lora-updating"]
     for flag in flags:
         assert flag in out, flag
     limit_flags = ["--max-body-bytes", "--max-n", "--max-prompts", "--body-read-timeout-s", "--header-read-timeout-s",

@@ -68,9 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         leaf = path.rsplit(".", 1)[-1]
         kwargs: dict[str, Any] = {"dest": path, "default": None, "help": desc,
                                   "metavar": _UNITS[scale] if scale != 1 else leaf.upper()}
-        if info.default is not None:
+        if info.default is not None and not info.is_required() and info.default_factory is None:
             kwargs["help"] += f" (default: {info.default if scale == 1 else info.default // scale})"
-        if typing.get_origin(ann) is typing.Literal:
+        if typing.get_origin(ann) is list:  # e.g. --lora-modules a=PATH b=PATH (items parsed by the config)
+            kwargs["nargs"] = "+"
+            kwargs["metavar"] = "ITEM"
+        elif typing.get_origin(ann) is typing.Literal:
             kwargs["choices"] = sorted(typing.get_args(ann))
             del kwargs["metavar"]
         elif ann in (int, float):

@@ -60,6 +60,70 @@ class SpeculativeConfig(Section):
         return self
 
 
+class LoRAModulePath(Section):
+    """One adapter served from start-up (vLLM's ``--lora-modules`` entry)."""
+
+    name: str = Field(min_length=1, description="The name requests give as 'model' to use the adapter.")
+    path: str = Field(min_length=1, description="A PEFT adapter folder (adapter_config.json + "
+                      "adapter_model.safetensors).")
+    base_model_name: str | None = Field(None, description="Accepted for vLLM compatibility (the served base "
+                                        "model is the parent).")
+
+
+class LoRAServingConfig(Section):
+    """Multi-LoRA serving (vLLM's flags): PEFT adapters over the one base model, picked per
+    request by its 'model' field, adapters of different requests batched in one pass
+    (zeal.inference.multi_lora)."""
+
+    enable_lora: bool = Field(False, description="Serve LoRA adapters (implied by lora_modules).")
+    lora_modules: list[LoRAModulePath] = Field(
+        default_factory=list, description="Adapters to serve from start-up: name=path entries, or vLLM's JSON "
+        '{"name": ..., "path": ...}.')
+    max_loras: int = Field(8, ge=1, description="Most adapters loaded at once (each holds a slot; its requests "
+                           "batch with any others).")
+    max_lora_rank: int = Field(16, ge=1, description="Highest adapter rank accepted.")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also turned on by "
+        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=true).")
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse(cls, v: object) -> object:
+        if isinstance(v, str | dict):
+            v = [v]
+        if not isinstance(v, list):
+            return v
+        out = []
+        for item in v:
+            if isinstance(item, str) and item.lstrip().startswith("{"):
+                try:
+                    item = json.loads(item)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"lora_modules entry {item!r} is not valid JSON: {e}") from None
+            elif isinstance(item, str):
+                name, sep, path = item.partition("=")
+                if not sep or not name or not path:
+                    raise ValueError(f"lora_modules entry {item!r} is not name=path")
+                item = {"name": name, "path": path}
+            out.append(item)
+        return out
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAServingConfig:
+        names = [m.name for m in self.lora_modules]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"lora_modules: the name {dup[0]!r} is given twice")
+        if len(names) > self.max_loras:
+            raise ValueError(f"lora_modules: {len(names)} adapters exceed max_loras {self.max_loras}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """LoRA serving is on (slots and hooks exist)."""
+        return self.enable_lora or bool(self.lora_modules) or self.allow_runtime_lora_updating
+
+
 class EngineConfig(Section):
     """KV-cache memory and batching of the serving engine (block manager and scheduler)."""
 
@@ -78,6 +142,7 @@ class EngineConfig(Section):
         None, description='Speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": "PATH", '
         '"num_speculative_tokens": 4}; None = off.')
+    lora: LoRAServingConfig = Field(default_factory=LoRAServingConfig, description="Multi-LoRA serving.")
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -23,6 +24,11 @@ from zeal.inference.sleep import EngineAsleepError
 from zeal.inference.tensor_parallel import GroupFailedError
 
 log = logging.getLogger("zeal.serve")
+
+
+def _settle(fut: asyncio.Future, result, error: BaseException | None) -> None:
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(result)
 
 
 class QueueFullError(RuntimeError):
@@ -41,20 +47,23 @@ class StreamFront(abc.ABC):
 
     @abc.abstractmethod
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], group: str | None = None) -> None:
+                stream: tuple[asyncio.AbstractEventLoop, asyncio.Queue], group: str | None = None,
+                lora_name: str | None = None) -> None:
         """Admit a request and register ``stream`` for it (raise to refuse it); ``group``: the
-        client request it is part of (the engine shares its passes fairly between groups)."""
+        client request it is part of (the engine shares its passes fairly between groups);
+        ``lora_name``: the LoRA adapter it runs with (None: the base model)."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
         """Cancel a request (a no-op when it has finished)."""
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       group: str | None = None) -> AsyncIterator[RequestOutput]:
+                       group: str | None = None, lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request; closing the iterator early aborts it. ``group``:
-        the client request it is part of (default: its own id)."""
+        the client request it is part of (default: its own id); ``lora_name``: the LoRA
+        adapter to run it with (None: the base model)."""
         q: asyncio.Queue = asyncio.Queue()
-        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q), group)
+        self._submit(request_id, prompt_ids, params, (asyncio.get_running_loop(), q), group, lora_name)
         finished = False
         try:
             while True:
@@ -123,7 +132,7 @@ class AsyncEngine(StreamFront):
 
     # ------------------------------------------------------------ API (event loop side)
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream,
-                group: str | None = None) -> None:
+                group: str | None = None, lora_name: str | None = None) -> None:
         with self._lock:
             if self.dead is not None:
                 raise RuntimeError(f"the engine cannot run requests: {self.dead}")
@@ -133,7 +142,7 @@ class AsyncEngine(StreamFront):
             self._pending_adds += 1
             self._streams[request_id] = stream
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
-        self._inbox.put(("add", request_id, prompt_ids, params, group))
+        self._inbox.put(("add", request_id, prompt_ids, params, group, lora_name))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -151,7 +160,7 @@ class AsyncEngine(StreamFront):
     # ------------------------------------------------------------ engine thread
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt_ids, params, group = cmd
+            _, rid, prompt_ids, params, group, lora_name = cmd
             # the move from pending to the engine's waiting queue happens under the lock, so
             # that generate() never sees the request in neither place and admits one too many
             error = None
@@ -160,7 +169,7 @@ class AsyncEngine(StreamFront):
                 if rid not in self._streams:
                     return  # aborted before it reached the engine
                 try:
-                    self.engine.add_request(rid, prompt_ids, params, group=group)
+                    self.engine.add_request(rid, prompt_ids, params, group=group, lora_name=lora_name)
                 except (ValueError, EngineAsleepError) as e:  # the request's own failure (400 / 503)
                     error = e
                 except Exception as e:  # noqa: BLE001 - a bug: fail this request, keep the thread
@@ -171,6 +180,41 @@ class AsyncEngine(StreamFront):
                 self._deliver(rid, error)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])
+        elif cmd[0] == "call":  # run_in_engine: a function of the engine, on this thread, between steps
+            _, fn, loop, fut = cmd
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                result, error = None, e
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, fut, result, error)
+
+    async def run_in_engine(self, fn):
+        """``fn(engine)`` on the engine thread between two steps; its result (or exception)."""
+        if self._thread is None or self.dead is not None:
+            return fn(self.engine)  # no thread to race with (or none left)
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, asyncio.get_running_loop(), fut))
+        return await fut
+
+    # ------------------------------------------------------------ LoRA adapters (the server's view)
+    @property
+    def lora_config(self):
+        """The engine's ``LoRAServingConfig``."""
+        return self.engine.config.lora
+
+    def lora_adapters(self) -> list[dict]:
+        """``[{"name", "path", "rank"}]`` of the adapters served (empty without LoRA)."""
+        loras = self.engine.loras
+        return loras.cards() if loras is not None else []
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT folder as ``name`` (``LoRAError`` with its HTTP status when refused)."""
+        await self.run_in_engine(lambda e: e.load_lora_adapter(name, path))
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        """Stop serving ``name``; returns how many of its requests are finishing with it."""
+        return await self.run_in_engine(lambda e: e.unload_lora_adapter(name))
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -65,11 +65,15 @@ class BlockManager:
     def is_free(self, b: int) -> bool:
         return b in self.free_cached or b in self.free_plain
 
-    def _chain(self, tokens: list[int], upto_blocks: int, known: list[int]) -> list[int]:
+    def _chain(self, tokens: list[int], upto_blocks: int, known: list[int], salt: int = 0) -> list[int]:
+        """Chained hashes of the first ``upto_blocks`` blocks; ``salt`` (a LoRA adapter's load
+        id, 0 for the base model) seeds the chain, so equal tokens under different weights
+        never share a block."""
         hashes = list(known[:upto_blocks])
         bs = self.block_size
+        seed = hash(("lora", salt)) if salt else 0
         for i in range(len(hashes), upto_blocks):
-            prev = hashes[-1] if hashes else 0
+            prev = hashes[-1] if hashes else seed
             hashes.append(hash((prev, tuple(tokens[i * bs : (i + 1) * bs]))))
         return hashes
 
@@ -81,7 +85,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.needs_prompt_logits:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hashes = self._chain(seq.tokens, max_blocks, self.seq_hashes.get(seq.seq_id, []))
+        hashes = self._chain(seq.tokens, max_blocks, self.seq_hashes.get(seq.seq_id, []), seq.lora_id)
         hits = []
         for h in hashes:
             b = self.cached.get(h)
@@ -208,7 +212,7 @@ class BlockManager:
         known = self.seq_hashes.setdefault(seq.seq_id, [])
         if full <= len(known):
             return
-        hashes = self._chain(seq.tokens, full, known)
+        hashes = self._chain(seq.tokens, full, known, seq.lora_id)
         for i in range(len(known), full):
             b, h = seq.block_table[i], hashes[i]
             if h not in self.cached and b not in self.block_hash:

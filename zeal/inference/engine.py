@@ -21,6 +21,7 @@ from torch import nn
 
 from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
+from zeal.inference.lora_adapters import LoadedAdapter, LoRARegistry, runtime_updating_allowed
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
 from zeal.inference.outputs import CompletionOutput, RequestOutput, StepStats
@@ -48,6 +49,7 @@ class _Request:
     error_type: str = "invalid_request_error"
     group: str = ""
     prompt_logprobs_sent: bool = False
+    lora: LoadedAdapter | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class LLMEngine:
@@ -96,15 +98,40 @@ class LLMEngine:
         self._kv_released = Released()
         self._weights_released = Released()
         self._weights_discarded = False  # sleep(level=2) until load_weights
+        self.loras: LoRARegistry | None = None  # multi-LoRA serving (cfg.lora)
+        if cfg.lora.enabled or runtime_updating_allowed(cfg.lora):
+            self._enable_lora(smodel)
+
+    def _enable_lora(self, model: nn.Module) -> None:
+        """Adapter slots over ``model`` and the start-up adapters of ``config.lora``."""
+        from zeal.inference.multi_lora import MultiLoRA
+
+        self._refuse_under_tp("LoRA serving")
+        if getattr(model, "weight_streamer", None) is not None:
+            raise ValueError("LoRA serving is not supported with weights_offload (the layers are streamed); "
+                             "serve with weights_offload none")
+        lcfg = self.config.lora
+        self.runner.lora = MultiLoRA(model, lcfg.max_loras, lcfg.max_lora_rank)
+        self.loras = LoRARegistry(self.runner.lora, lambda: [r.lora.lora_id for r in self.requests.values()
+                                                             if r.lora is not None])
+        for m in lcfg.lora_modules:
+            self.loras.load(m.name, m.path)
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    group: str | None = None) -> None:
+                    group: str | None = None, lora_name: str | None = None) -> None:
         """Queue a request. Raises ``ValueError`` for one that could never run and
         :class:`EngineAsleepError` while the engine sleeps. ``group``: the client request it
         is part of (the prompts of one HTTP request share one; default: its own id); the
-        scheduler shares each pass fairly between groups."""
+        scheduler shares each pass fairly between groups. ``lora_name``: the loaded LoRA
+        adapter to run it with (None: the base model)."""
         self._check_awake()
+        lora = None
+        if lora_name is not None:
+            if self.loras is None:
+                raise ValueError(f"LoRA adapter {lora_name!r} asked, but this engine serves no adapters "
+                                 "(enable_lora / lora_modules)")
+            lora = self.loras.resolve(lora_name)
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -124,7 +151,7 @@ class LLMEngine:
                 f"maximum sequence length {self.max_seq_tokens}"
             )
         matcher = self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None
-        req = _Request(request_id, prompt_ids, params, group=group or request_id)
+        req = _Request(request_id, prompt_ids, params, group=group or request_id, lora=lora)
         seq = self._new_seq(req, 0)
         seq.matcher = matcher
         seq.pending_fork = params.n > 1
@@ -136,6 +163,8 @@ class LLMEngine:
         gen = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
         seq = Sequence(next(self._seq_ids), req.request_id, req.prompt_ids, p, index=index, generator=gen,
                        arrival_time=req.arrival_time, group=req.group)
+        if req.lora is not None:
+            seq.lora_id, seq.lora_slot = req.lora.lora_id, req.lora.slot
         req.seqs.append(seq)
         return seq
 
@@ -148,6 +177,25 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
         self.metrics.on_finish("abort")
+        if self.loras is not None:
+            self.loras.collect()
+
+    # ------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, name: str, path: str) -> LoadedAdapter:
+        """Serve the PEFT adapter folder ``path`` as ``name`` (:class:`LoRAError`, a
+        ``ValueError`` with an HTTP status, when refused)."""
+        return self._lora_registry().load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> int:
+        """Stop serving ``name``; its running requests finish with it (returns how many)."""
+        return self._lora_registry().unload(name)
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            from zeal.inference.lora_adapters import LoRAError
+
+            raise LoRAError(400, "this engine serves no LoRA adapters (start it with enable_lora or lora_modules)")
+        return self.loras
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -295,7 +343,10 @@ class LLMEngine:
                           time.monotonic() - t0)
         self.last_stats = stats
         self.metrics.on_step(prompt_tokens, num_generated, stats.num_preempted)  # tokens generated
-        return [self._output(r) for r in touched.values()]
+        outs = [self._output(r) for r in touched.values()]
+        if self.loras is not None and self.loras.draining:
+            self.loras.collect()  # an unloaded adapter's last requests may have ended
+        return outs
 
     # ------------------------------------------------------------ failure isolation
     def _grammar_masks(self, seqs: list[Sequence], rows: list[int], touched: dict[str, _Request]):

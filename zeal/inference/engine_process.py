@@ -8,13 +8,14 @@ keeps the tokenizer (for chat templates, token strings, tool parsing) and a view
 engine's state. They speak length-prefixed JSON over one duplex pipe
 (``send_bytes``/``recv_bytes``; nothing is pickled):
 
-- parent → child: ``{"op": "add", "rid", "prompt", "params", "group"}``, ``{"op": "abort", "rid"}``,
-  ``{"op": "stop"}``;
+- parent → child: ``{"op": "add", "rid", "prompt", "params", "group", "lora"}``, ``{"op": "abort", "rid"}``,
+  ``{"op": "lora", "token", "action": "load" | "unload", "name", "path"}``, ``{"op": "stop"}``;
 - child → parent: ``{"op": "ready", "max_seq_tokens", "vocab_size"}`` once the model is
   loaded, or ``{"op": "fatal", "msg"}``; then after every step (and after commands that
   changed nothing else) ``{"op": "outs", "outs": [RequestOutput...], "errors": [...], "stats":
   {...}}`` — the stats (queue lengths, KV blocks, the metrics' counters) are applied before
-  the outputs are delivered, so a client that has its answer sees the counters include it.
+  the outputs are delivered, so a client that has its answer sees the counters include it;
+  ``"lora"`` lists the answers to LoRA commands: ``[token, error or null, status, result, adapters]``.
 
 A request's failure in the child (a bad prompt, an engine error) reaches its stream as the
 same exception type the thread engine raises. If the child dies, every open stream ends
@@ -23,7 +24,10 @@ with an error and new requests are refused with 503.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -32,7 +36,8 @@ import time
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
-from zeal.inference.async_engine import QueueFullError, StreamFront
+from zeal.inference.async_engine import QueueFullError, StreamFront, _settle
+from zeal.inference.lora_adapters import LoRAError, LoRANotFoundError
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.outputs import CompletionOutput, RequestOutput
 from zeal.inference.sampling_params import SamplingParams
@@ -40,7 +45,8 @@ from zeal.inference.sleep import EngineAsleepError
 
 log = logging.getLogger("zeal.serve")
 
-ERROR_TYPES = {"value": ValueError, "asleep": EngineAsleepError, "engine": RuntimeError}
+ERROR_TYPES = {"value": ValueError, "asleep": EngineAsleepError, "engine": RuntimeError,
+               "lora_not_found": LoRANotFoundError}
 
 
 def _send(conn: Connection, msg: dict) -> None:
@@ -124,6 +130,10 @@ class EngineProcess(StreamFront):
         if hello["op"] == "fatal":
             self._proc.join(10)
             raise ValueError(hello["msg"])
+        self.lora_config = cfg.engine.lora
+        self._lora_cards: list[dict] = hello.get("loras", [])
+        self._lora_waiting: dict[int, tuple] = {}  # token -> (loop, future) of a LoRA command
+        self._lora_tokens = itertools.count()
         self.engine = SimpleNamespace(tokenizer=tokenizer, max_seq_tokens=hello["max_seq_tokens"],
                                       vocab_size=hello["vocab_size"], num_running=0, num_waiting=0,
                                       bm=SimpleNamespace(num_used_blocks=0, num_blocks=hello["num_blocks"]),
@@ -169,7 +179,7 @@ class EngineProcess(StreamFront):
             _send(self._conn, msg)
 
     def _submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, stream,
-                group: str | None = None) -> None:
+                group: str | None = None, lora_name: str | None = None) -> None:
         with self._lock:
             if self._dead is not None:
                 raise RuntimeError(f"the engine process is not running: {self._dead}")
@@ -181,7 +191,7 @@ class EngineProcess(StreamFront):
             self.peak_waiting = max(self.peak_waiting, self.num_waiting)
             try:
                 self._post({"op": "add", "rid": request_id, "prompt": list(prompt_ids),
-                            "params": dataclasses.asdict(params), "group": group})
+                            "params": dataclasses.asdict(params), "group": group, "lora": lora_name})
             except (OSError, ValueError) as e:  # the pipe is closed: the child is gone
                 self._streams.pop(request_id, None)
                 raise RuntimeError(f"the engine process is not running ({type(e).__name__})") from None
@@ -191,6 +201,42 @@ class EngineProcess(StreamFront):
             self._post({"op": "abort", "rid": request_id})
         except (OSError, ValueError):
             pass  # the child is gone: nothing to abort
+
+    # ------------------------------------------------------------ LoRA adapters
+    def lora_adapters(self) -> list[dict]:
+        """``[{"name", "path", "rank"}]`` of the adapters the child serves (as of its last answer)."""
+        return self._lora_cards
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT folder as ``name`` in the child (``LoRAError`` when refused)."""
+        await self._lora_command("load", name, path)
+
+    async def unload_lora_adapter(self, name: str) -> int:
+        """Stop serving ``name``; returns how many of its requests are finishing with it."""
+        return await self._lora_command("unload", name)
+
+    async def _lora_command(self, action: str, name: str, path: str | None = None):
+        if self._dead is not None:
+            raise RuntimeError(f"the engine process is not running: {self._dead}")
+        token = next(self._lora_tokens)
+        fut = asyncio.get_running_loop().create_future()
+        self._lora_waiting[token] = (asyncio.get_running_loop(), fut)
+        try:
+            self._post({"op": "lora", "token": token, "action": action, "name": name, "path": path})
+        except (OSError, ValueError) as e:
+            self._lora_waiting.pop(token, None)
+            raise RuntimeError(f"the engine process is not running ({type(e).__name__})") from None
+        return await fut
+
+    def _lora_answers(self, answers: list) -> None:
+        for token, error, status, result, cards in answers:
+            self._lora_cards = cards
+            loop, fut = self._lora_waiting.pop(token, (None, None))
+            if fut is None:
+                continue
+            exc = None if error is None else LoRAError(status, error) if status else RuntimeError(error)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, fut, result, exc)
 
     # ------------------------------------------------------------ reader thread
     def _apply_stats(self, stats: dict) -> None:
@@ -213,6 +259,7 @@ class EngineProcess(StreamFront):
                     self._deliver(rid, ERROR_TYPES[kind](text))
                 for d in msg["outs"]:
                     self._deliver(d["request_id"], output_from_dict(d))
+                self._lora_answers(msg.get("lora", []))
         except (EOFError, OSError) as e:
             self._dead = f"exited ({type(e).__name__}, exit code {self._proc.exitcode})"
             log.error("the engine process %s", self._dead)
@@ -221,6 +268,8 @@ class EngineProcess(StreamFront):
             open_streams = list(self._streams)
         for rid in open_streams:
             self._deliver(rid, RuntimeError(f"engine process {self._dead}"))
+        self._lora_answers([(t, f"engine process {self._dead}", 0, None, self._lora_cards)
+                            for t in list(self._lora_waiting)])
 
 
 def child_main(conn: Connection, cfg_json: str) -> None:
@@ -237,7 +286,7 @@ def child_main(conn: Connection, cfg_json: str) -> None:
         _send(conn, {"op": "fatal", "msg": str(e) or type(e).__name__})
         return
     _send(conn, {"op": "ready", "max_seq_tokens": engine.max_seq_tokens, "vocab_size": engine.vocab_size,
-                 "num_blocks": engine.bm.num_blocks})
+                 "num_blocks": engine.bm.num_blocks, "loras": engine.loras.cards() if engine.loras else []})
     EngineLoop(engine, conn).run()
 
 
@@ -248,6 +297,7 @@ class EngineLoop:
         self.engine, self.conn = engine, conn
         self.adds = 0
         self.errors: list[tuple[str, str, str]] = []
+        self.lora_answers: list[list] = []
         self.stop = False
 
     def _apply(self, msg: dict) -> None:
@@ -256,7 +306,9 @@ class EngineLoop:
             self.adds += 1
             try:
                 self.engine.add_request(msg["rid"], msg["prompt"], SamplingParams(**msg["params"]),
-                                        group=msg.get("group"))
+                                        group=msg.get("group"), lora_name=msg.get("lora"))
+            except LoRANotFoundError as e:  # unloaded since the server checked the name
+                self.errors.append((msg["rid"], "lora_not_found", str(e)))
             except ValueError as e:
                 self.errors.append((msg["rid"], "value", str(e)))
             except EngineAsleepError as e:
@@ -267,16 +319,34 @@ class EngineLoop:
                 self.errors.append((msg["rid"], "engine", f"engine error: {type(e).__name__}: {e}"))
         elif op == "abort":
             self.engine.abort(msg["rid"])
+        elif op == "lora":
+            self._lora(msg)
         elif op == "stop":
             self.stop = True
+
+    def _lora(self, msg: dict) -> None:
+        """A LoRA command, answered in the next report."""
+        error, status, result = None, 0, None
+        try:
+            if msg["action"] == "load":
+                self.engine.load_lora_adapter(msg["name"], msg["path"])
+            else:
+                result = self.engine.unload_lora_adapter(msg["name"])
+        except LoRAError as e:
+            error, status = str(e), e.status
+        except Exception as e:  # noqa: BLE001 - a bug: answered as a server error, the loop goes on
+            log.exception("LoRA %s of %r failed", msg["action"], msg["name"])
+            error = f"engine error: {type(e).__name__}: {e}"
+        cards = self.engine.loras.cards() if self.engine.loras is not None else []
+        self.lora_answers.append([msg["token"], error, status, result, cards])
 
     def _report(self, outs: list[RequestOutput]) -> None:
         e = self.engine
         stats = {"running": e.num_running, "waiting": e.num_waiting, "used_blocks": e.bm.num_used_blocks,
                  "adds": self.adds, "metrics": metrics_snapshot(e.metrics)}
         _send(self.conn, {"op": "outs", "outs": [dataclasses.asdict(o) for o in outs], "errors": self.errors,
-                          "stats": stats})
-        self.errors = []
+                          "stats": stats, "lora": self.lora_answers})
+        self.errors, self.lora_answers = [], []
 
     def _step(self) -> list[RequestOutput]:
         try:

@@ -60,6 +60,7 @@ class StepPlan:
     dec_tables: list[list[int]] = field(default_factory=list)
     dec_lens: list[int] = field(default_factory=list)
     prefills: list[list] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)  # LoRA slot per row (empty: no row has an adapter)
 
     @property
     def empty(self) -> bool:
@@ -115,6 +116,7 @@ class ModelRunner:
         self.pad_single_rows = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
         # fp32/bf16 on CPU: the linears compute on weights reordered once for oneDNN (packed_linear)
         self.packed = packed_linears_for(self.model, self.device, self.dtype)
+        self.lora = None  # the engine's zeal.inference.multi_lora.MultiLoRA when it serves adapters
 
     @property
     def vocab_size(self) -> int:
@@ -162,9 +164,12 @@ class ModelRunner:
         """Flatten the chunks of ``out`` into a :class:`StepPlan` (plain integers)."""
         bs = self.block_size
         p = StepPlan(copies=[list(c) for c in out.copies])
+        any_lora = any(c.seq.lora_slot for c in out.chunks)
         for c in out.chunks:
             seq, start, n = c.seq, c.start, c.num_tokens
             row0 = len(p.ids)
+            if any_lora:
+                p.lora_slots.extend([seq.lora_slot] * n)
             p.ids.extend(seq.fed_tokens(start, n) if c.num_draft else seq.tokens[start : start + n])
             p.pos.extend(range(start, start + n))
             table = seq.block_table
@@ -187,7 +192,7 @@ class ModelRunner:
             else:
                 p.prefills.append([row0, n, start + n, table])
         if self.pad_single_rows and len(p.ids) == 1:  # the row twice (same slot, same context); row 0 is sampled
-            p.ids, p.pos, p.slots = p.ids * 2, p.pos * 2, p.slots * 2
+            p.ids, p.pos, p.slots, p.lora_slots = p.ids * 2, p.pos * 2, p.slots * 2, p.lora_slots * 2
             if p.dec_rows:
                 p.dec_rows, p.dec_tables, p.dec_lens = [0, 1], p.dec_tables * 2, p.dec_lens * 2
             else:
@@ -229,7 +234,8 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size)
         input_ids, positions, meta, sample_rows = self.prepare(plan)
         attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
-        with self.packed.active() if self.packed is not None else contextlib.nullcontext():
+        with (self.packed.active() if self.packed is not None else contextlib.nullcontext(),
+              self.lora.active(plan.lora_slots) if plan.lora_slots else contextlib.nullcontext()):
             return self._forward(input_ids, positions, attention, sample_rows)
 
     def _forward(self, input_ids, positions, attention, sample_rows) -> torch.Tensor:

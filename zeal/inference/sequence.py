@@ -49,6 +49,8 @@ class Sequence:
     num_preemptions: int = 0
     pending_fork: bool = False  # n > 1: fork the siblings at the first sample
     draft_ids: list[int] = field(default_factory=list)
+    lora_id: int = 0  # the LoRA adapter's load id (0: the base model); salts the prefix cache's hashes
+    lora_slot: int = 0  # its device slot (zeal.inference.multi_lora; 0: none)
     matcher: object | None = None  # structured outputs: the grammar state (llguidance.LLMatcher)  # speculative tokens fed after the last sampled one
     # detokenizer state (owned by the engine)
     text: str = ""

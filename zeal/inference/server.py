@@ -29,6 +29,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zeal.config.inference import ServerLimits
+from zeal.inference import lora_routes
 from zeal.inference.async_engine import AsyncEngine, QueueFullError
 from zeal.inference.completion_choices import CompletionChoices
 from zeal.inference.conn_guard import RequestLimit
@@ -155,6 +156,8 @@ def engine_error(e: BaseException) -> APIError:
         return APIError(429, str(e), "rate_limit_error", code="queue_full")
     if isinstance(e, APIError):
         return e
+    if isinstance(e, lora_routes.LoRAError):  # e.g. the adapter was unloaded while the request was queued
+        return lora_routes.api_error(e)
     if isinstance(e, ValueError):
         return APIError(400, str(e))
     return APIError(503, str(e), "server_error")
@@ -182,7 +185,7 @@ async def parse_body(state: AppState, request: Request, model: type[BaseModel]) 
     except ValidationError as e:
         msg, param = _validation_message(e)
         raise APIError(400, msg, param=param) from None
-    if req.model not in (None, state.model_name):
+    if req.model not in (None, state.model_name) and not lora_routes.is_adapter(state, req.model):
         raise APIError(404, f"model {req.model!r} does not exist (serving {state.model_name!r})",
                        code="model_not_found")
     if req.n > state.limits.max_n:
@@ -225,11 +228,13 @@ def _tier(req: CompletionRequest | ChatCompletionRequest) -> dict:
 
 
 # ------------------------------------------------------------ running requests
-async def run_all(aengine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> Outputs:
-    """Run one engine request per prompt; yield ``(prompt_index, output)`` as they come."""
+async def run_all(aengine: AsyncEngine, prompts: list[list[int]], params: SamplingParams,
+                  lora_name: str | None = None) -> Outputs:
+    """Run one engine request per prompt (with the LoRA adapter ``lora_name``, None: the
+    base model); yield ``(prompt_index, output)`` as they come."""
     rids = [f"{uuid.uuid4().hex}" for _ in prompts]
     group = rids[0]  # one client request: the scheduler shares its passes fairly with the others
-    gens = [aengine.generate(rid, p, params, group) for rid, p in zip(rids, prompts)]
+    gens = [aengine.generate(rid, p, params, group, lora_name) for rid, p in zip(rids, prompts)]
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, g) -> None:
@@ -348,13 +353,16 @@ def _model_card(state: AppState) -> dict:
 
 
 async def models(state: AppState, request: Request) -> dict:
-    """``GET /v1/models``: the one model served."""
-    return {"object": "list", "data": [_model_card(state)]}
+    """``GET /v1/models``: the model served, then its LoRA adapters."""
+    return {"object": "list", "data": [_model_card(state), *lora_routes.adapter_cards(state)]}
 
 
 async def model(state: AppState, request: Request) -> dict:
     """``GET /v1/models/{model}``: the served model's card (the SDK's ``models.retrieve``); 404 for another."""
     name = request.path_params["model"]
+    card = next((c for c in lora_routes.adapter_cards(state) if c["id"] == name), None)
+    if card is not None:
+        return card
     if name != state.model_name:
         raise APIError(404, f"model {name!r} does not exist (serving {state.model_name!r})", param="model",
                        code="model_not_found")
@@ -412,9 +420,10 @@ async def completions(state: AppState, request: Request) -> Response | dict:
     params = _sampling(state, req, max_tokens, req.logprobs)
     if req.echo and req.logprobs is not None:
         params.prompt_logprobs = req.logprobs
-    cid, name = f"cmpl-{uuid.uuid4().hex}", state.model_name
+    lora = lora_routes.lora_of(state, req.model)
+    cid, name = f"cmpl-{uuid.uuid4().hex}", lora or state.model_name
     made = CompletionChoices(state.engine.tokenizer, state.token_str, req, prompts_in, prompts, echo_only)
-    agen = run_all(state.aengine, prompts, params)
+    agen = run_all(state.aengine, prompts, params, lora)
     ptoks = sum(len(x) for x in prompts)
 
     def usage() -> dict:
@@ -549,8 +558,9 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     params = _sampling(state, req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     funcs = _tool_functions(state, tools, choice, params)
-    cid, name = f"chatcmpl-{uuid.uuid4().hex}", state.model_name
-    agen = run_all(state.aengine, [prompt], params)
+    lora = lora_routes.lora_of(state, req.model)
+    cid, name = f"chatcmpl-{uuid.uuid4().hex}", lora or state.model_name
+    agen = run_all(state.aengine, [prompt], params, lora)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
         return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, funcs, forced(choice),
@@ -597,4 +607,6 @@ ROUTES: list[tuple[str, str, Callable[[AppState, Request], Awaitable[object]]]] 
     ("/metrics", "GET", metrics),
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
+    ("/v1/load_lora_adapter", "POST", lora_routes.load_lora_adapter),
+    ("/v1/unload_lora_adapter", "POST", lora_routes.unload_lora_adapter),
 ]
