@@ -16,6 +16,7 @@ import torch
 
 from zeal.inference.sampling_params import SamplingParams
 from zeal.rlhf import formulas as fm
+from zeal.rlhf import grpo_losses as gl
 from zeal.rlhf.batch import answer_logprobs, pack
 from zeal.rlhf.common import (
     RunLog,
@@ -30,6 +31,8 @@ from zeal.rlhf.common import (
     set_seed,
 )
 from zeal.rlhf.config import split_config
+from zeal.rlhf.dapo import truncated
+from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
 from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
 
@@ -102,29 +105,55 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     return RunResult(engine, run.records, run.out, {"hybrid": hybrid})
 
 
+def _loss_mask(rollouts: list[Rollout], mask: torch.Tensor, rc) -> torch.Tensor:
+    """The answer mask with DAPO's overlong filtering applied (``rc.mask_truncated_completions``:
+    an answer cut by the length limit carries no loss)."""
+    if rc.mask_truncated_completions:
+        mask = mask * (1.0 - truncated([r.finish_reason for r in rollouts]))[:, None]
+    return mask
+
+
+def _step_tokens(mask: torch.Tensor, chunks: list[slice], gas: int, engine) -> list[float]:
+    """Loss tokens of each optimizer step (``gas`` consecutive micro-batches), summed over the
+    data-parallel ranks: dapo's and cispo's normaliser (TRL's ``num_items_in_batch``)."""
+    counts = torch.tensor([float(sum(mask[c].sum() for c in chunks[i:i + gas])) for i in range(0, len(chunks), gas)],
+                          dtype=torch.float64)
+    comm = getattr(getattr(engine, "mesh", None), "dp", None)
+    if comm is not None and comm.active:
+        counts = counts.to(comm.ctx.device)
+        comm.all_reduce(counts, "control")
+    return counts.cpu().tolist()
+
+
 def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_id: int, rc,
               exact: bool = True) -> dict:
-    """``ppo_epochs`` passes of the GRPO loss over one rollout batch (in the engine's
-    micro-batches); returns the step's loss, KL, answer length and log-prob gap. Each
-    prompt goes through the trunk once per group (``rc.share_prompt``,
-    :mod:`zeal.rlhf.shared_prefix`) where the model allows, and only the answer positions
-    are projected by the LM head. Behaviour log-probs: the serving engine's when ``exact``
-    (it generated in the actor's dtype), else the training side's before any update (the
-    current pass's own, detached, when the batch makes a single optimizer step)."""
+    """``ppo_epochs`` passes of the GRPO-family loss (``rc.loss_type``,
+    :mod:`zeal.rlhf.grpo_losses`) over one rollout batch (in the engine's micro-batches);
+    returns the step's loss, KL, answer length, log-prob gap, entropy, clip fractions and
+    the mismatch weights' range. Each prompt goes through the trunk once per group
+    (``rc.share_prompt``, :mod:`zeal.rlhf.shared_prefix`) where the model allows, and only
+    the answer positions are projected by the LM head. Behaviour log-probs: the serving
+    engine's when ``exact`` (it generated with the actor's weights in the actor's dtype),
+    else the training side's before any update (the current pass's own, detached, when the
+    batch makes a single optimizer step), the tokens then weighted by the truncated
+    importance ratio of the training side's to the generator's log-probs
+    (``rc.importance_sampling_correction``)."""
+    loss_type = canonical_loss_type(rc.loss_type)
     adv = fm.group_advantages(rewards, rc.num_generations, rc.scale_rewards)
     if rc.share_prompt and can_share(engine) and (ref is None or can_share(ref)):
         answers, mask, served = answer_batch(rollouts, pad_id)
 
-        def logprobs(model, s=slice(None)):
-            return rollout_logprobs(model, rollouts[s], answers[s], pad_id)
+        def logprobs(model, s=slice(None), ent=False):
+            return rollout_logprobs(model, rollouts[s], answers[s], pad_id, ent)
     else:
         b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
-                 [r.logprobs for r in rollouts])
+                 [r.logprobs for r in rollouts], loss_masks=[r.loss_mask for r in rollouts])
         s0 = min(len(r.prompt_ids) for r in rollouts) - 1  # the first answer action of any row
         mask, served = b.mask[:, s0:], b.logprobs[:, s0:]
 
-        def logprobs(model, s=slice(None)):
-            return answer_logprobs(model, b.ids[s], s0)
+        def logprobs(model, s=slice(None), ent=False):
+            return answer_logprobs(model, b.ids[s], s0, ent)
+    mask = _loss_mask(rollouts, mask, rc)
     n = len(rollouts)
     mb = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
@@ -133,6 +162,10 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
         raise ValueError(f"grpo: {n} rollouts make {len(chunks)} micro-batches of {mb}, not a multiple of "
                          f"gradient_accumulation_steps {gas}")
     one_update = rc.ppo_epochs == 1 and len(chunks) == gas
+    by_items = loss_type in ("dapo", "cispo")
+    step_tokens = _step_tokens(mask, chunks, gas, engine) if by_items else []
+    world = dp_slice(engine)[1]
+    correct = rc.importance_sampling_correction and not exact
     with torch.no_grad():
         ref_lp = logprobs(ref) if ref is not None else None
         old = served
@@ -140,20 +173,38 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
             engine.train()
             old = torch.cat([logprobs(engine, s) for s in chunks])
     engine.train()
-    losses, kls, gap = [], [], 0.0
+    losses, gap = [], 0.0
+    metrics: dict[str, list[float]] = {}
+    ent_sum, ent_n, w_seen = 0.0, 0.0, []
     for epoch in range(rc.ppo_epochs):
-        for s in chunks:
-            lp = logprobs(engine, s)
+        for ci, s in enumerate(chunks):
             m = mask[s]
+            lp, ent = logprobs(engine, s, True)
             if epoch == 0:  # before any update: the serving engine's log-probs of the same weights
                 gap = max(gap, float(((lp.detach() - served[s]).abs() * m).max()))
+                ent_sum, ent_n = ent_sum + float((ent * m).sum()), ent_n + float(m.sum())
             o = old[s] if exact or not one_update else lp.detach()
-            r_lp = ref_lp[s] if ref_lp is not None else None
-            loss = fm.grpo_loss(lp, o, r_lp, adv[s], m, rc.clip, rc.clip_high, rc.beta, rc.loss_type)
-            engine.backward(loss)
+            w = (gl.mismatch_weights(o, served[s], m, rc.importance_sampling_mode, rc.importance_sampling_cap,
+                                     rc.importance_sampling_min) if correct else None)
+            if w is not None and epoch == 0:
+                w_seen.append(w.expand_as(m)[m.bool()])
+            emask = gl.high_entropy_mask(ent, m, rc.top_entropy_quantile) if rc.top_entropy_quantile < 1 else None
+            loss, met = gl.policy_loss(
+                lp, o, adv[s], m, loss_type=loss_type, importance_sampling_level=rc.importance_sampling_level,
+                eps_low=rc.clip, eps_high=rc.clip_high, ref_logprobs=ref_lp[s] if ref_lp is not None else None,
+                beta=rc.beta, is_weights=w, max_completion_length=rc.max_new_tokens,
+                num_items=step_tokens[ci // gas] / world if by_items else None, entropy_mask=emask)
+            # dapo/cispo are normalised by the step's token count already: no division by the accumulation steps
+            engine.backward(loss, scale_wrt_gas=not by_items)
             engine.step()
-            losses.append(loss.item())
-            if r_lp is not None:
-                kls.append(fm.masked_mean(fm.k3_kl(lp.detach(), r_lp), m).item())
-    return {"loss": sum(losses) / len(losses), "kl": sum(kls) / len(kls) if kls else 0.0,
-            "response_length": mask.sum(-1).mean().item(), "logprob_diff": gap}
+            losses.append(loss.item() * (gas if by_items else 1))
+            for k, v in met.items():
+                metrics.setdefault(k, []).append(v)
+    out = {"loss": sum(losses) / len(losses), "kl": 0.0, "response_length": mask.sum(-1).mean().item(),
+           "logprob_diff": gap, "entropy": ent_sum / max(ent_n, 1.0)}
+    out.update({k: sum(v) / len(v) for k, v in metrics.items()})
+    if w_seen:
+        ws = torch.cat(w_seen)
+        if ws.numel():
+            out.update(is_ratio_mean=float(ws.mean()), is_ratio_min=float(ws.min()), is_ratio_max=float(ws.max()))
+    return out

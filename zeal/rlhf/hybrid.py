@@ -26,7 +26,7 @@ from zeal.inference.tokenizer import Tokenizer
 @dataclass
 class Rollout:
     """One sampled answer: the prompt's and the answer's token ids, the serving engine's
-    log-probability of each answer token, and why it stopped."""
+    log-probability of each answer token (0 where ``loss_mask`` is 0), and why it stopped."""
 
     prompt_ids: list[int]
     output_ids: list[int]
@@ -34,6 +34,10 @@ class Rollout:
     text: str = ""
     finish_reason: str | None = None
     group: int = 0  # the index of its prompt in the batch
+    #: per answer token, 1 where the policy chose it (trained), 0 where it came from elsewhere (a tool's
+    #: output in a multi-turn episode: not trained); None: all ones
+    loss_mask: list[int] | None = None
+    version: int = 0  # the actor's weight version (optimizer steps taken) that generated it
 
 
 @dataclass
