@@ -71,6 +71,9 @@ class RLHFConfig(BaseModel):
                                    "remain, or max_num_gen_batches generations were made.")
     max_num_gen_batches: int = Field(4, ge=1, description="GRPO: dynamic sampling's most generations per step "
                                      "(the last keeps uniform groups to fill the batch).")
+    async_rollouts: int = Field(0, ge=0, description="GRPO: generate up to this many batches ahead of the trainer, "
+                                "in a background thread, while it updates (staleness ≤ k weight versions, "
+                                "corrected by the importance weights); 0: synchronous.")
     top_entropy_quantile: float = Field(1.0, ge=0.0, le=1.0, description="GRPO: keep in the policy loss only the "
                                         "top quantile of answer tokens by entropy (0.2 in 'Beyond the 80/20 rule'); "
                                         "1: all tokens.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from zeal.inference.sampling_params import SamplingParams
 from zeal.rlhf import formulas as fm
 from zeal.rlhf import grpo_losses as gl
+from zeal.rlhf.async_rollouts import RolloutPipeline
 from zeal.rlhf.batch import answer_logprobs, pack
 from zeal.rlhf.common import (
     RunLog,
@@ -31,7 +33,7 @@ from zeal.rlhf.common import (
     set_seed,
 )
 from zeal.rlhf.config import split_config
-from zeal.rlhf.dapo import truncated
+from zeal.rlhf.dapo import fill_groups, informative_groups, soft_overlong_penalty, truncated
 from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
 from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
@@ -57,13 +59,83 @@ def score(reward_fn: RewardFn | Sequence[RewardFn], prompts: list[Any], rollouts
     return total
 
 
+@dataclass
+class RolloutBatch:
+    """One step's rollouts (``group`` indexes ``prompts``), their summed rewards, the weight
+    version that generated them, and the sampling statistics of the step."""
+
+    rollouts: list[Rollout]
+    rewards: torch.Tensor
+    prompts: list[Any]
+    version: int
+    stats: dict[str, float]
+
+
+def _regroup(groups: list[tuple[Any, list[Rollout], torch.Tensor]]) -> tuple[list[Rollout], torch.Tensor, list]:
+    """Flatten ``(prompt, rollouts, rewards)`` groups into one batch, renumbering ``group``."""
+    rollouts, rewards, prompts = [], [], []
+    for g, (prompt, ros, rew) in enumerate(groups):
+        for ro in ros:
+            ro.group = g
+        rollouts += ros
+        rewards.append(rew)
+        prompts.append(prompt)
+    return rollouts, torch.cat(rewards), prompts
+
+
+def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, prompt_ids: list[list[int]],
+               prompts: Sequence[Any], reward_fn, rc, rank: int, sync: bool) -> RolloutBatch:
+    """Generate ``num_generations`` answers to each picked prompt and score them (plus DAPO's
+    soft overlong punishment, ``rc.overlong_buffer``). With ``rc.dynamic_sampling`` the groups
+    whose rewards are all equal are dropped and more prompts are drawn (a generator seeded
+    by the seed, the step and the rank) until ``len(pick)`` groups remain or
+    ``max_num_gen_batches`` generations were made; then uniform groups fill the rest."""
+    G, P = rc.num_generations, len(pick)
+
+    def generate(idx: list[int], attempt: int, sync_now: bool) -> list[tuple[Any, list[Rollout], torch.Tensor]]:
+        seed = (rc.seed + 7919 * step + 15485863 * attempt) % (1 << 62) + rank * P * G
+        params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                seed=seed, logprobs=0)
+        ros = hybrid.generate([prompt_ids[i] for i in idx], params, sync=sync_now)
+        for ro in ros:
+            ro.version = version
+        ps = [prompts[i] for i in idx]
+        rew = score(reward_fn, ps, ros)
+        if rc.overlong_buffer:
+            rew = rew + soft_overlong_penalty([len(ro.output_ids) for ro in ros], rc.max_new_tokens,
+                                              rc.overlong_buffer, rc.overlong_penalty)
+        return [(ps[g], ros[g * G:(g + 1) * G], rew[g * G:(g + 1) * G]) for g in range(len(idx))]
+
+    groups = generate(pick, 0, sync)
+    stats: dict[str, float] = {}
+    if rc.dynamic_sampling:
+        rng = torch.Generator().manual_seed((rc.seed * 1000003 + step * 7919 + rank) % (1 << 62))
+        kept, spare, attempt, seen = [], [], 0, 0
+        while True:
+            useful = set(informative_groups(torch.cat([g[2] for g in groups]), G).tolist())
+            kept += [g for k, g in enumerate(groups) if k in useful]
+            spare += [g for k, g in enumerate(groups) if k not in useful]
+            seen += len(groups)
+            attempt += 1
+            if len(kept) >= P or attempt >= rc.max_num_gen_batches:
+                break
+            groups = generate(torch.randint(len(prompt_ids), (P,), generator=rng).tolist(), attempt, False)
+        groups = fill_groups(kept, P, spare)
+        stats = {"num_gen_batches": attempt, "informative_groups": len(kept) / seen}
+    rollouts, rewards, ps = _regroup(groups)
+    return RolloutBatch(rollouts, rewards, ps, version, stats)
+
+
 def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence[Any], config: Any = None, *,
          tokenizer: Any = None, out: str | None = None, eos_token_ids: list[int] | None = None) -> RunResult:
     """Train ``model`` (a zeal ``Llama``/``GPT``, a Hugging Face folder, or None: the embedded
     SmolLM2-135M-Instruct) with GRPO on ``prompts`` (texts, chat message lists, or token-id
     lists) against ``reward_fn`` (one function or a list; see :func:`score`). ``config``: a
     dict / JSON path with DeepSpeed engine keys and an ``rlhf`` section
-    (:class:`~zeal.rlhf.config.RLHFConfig`). Writes metrics and checkpoints under ``out``."""
+    (:class:`~zeal.rlhf.config.RLHFConfig`). Writes metrics and checkpoints under ``out``.
+    With ``rlhf.async_rollouts: k`` ≥ 1 the next batches are generated while the trainer
+    updates (:mod:`zeal.rlhf.async_rollouts`); the result's ``extra["async"]`` then holds
+    the generator/trainer overlap."""
     engine_cfg, rc = split_config(config)
     gen = set_seed(rc.seed)
     pol = load_policy(model, tokenizer, eos_token_ids, job="grpo")
@@ -83,26 +155,47 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     gen.manual_seed(rc.seed * 1000003)
     for _ in range(start):  # the prompt order continues where it stopped
         torch.randint(len(prompt_ids), (P * world,), generator=gen)
-    if start < rc.steps:
-        say("grpo", f"step {start + 1}: generating {G} answers to each of {P * world} prompts (up to "
-            f"{rc.max_new_tokens} tokens), scoring them, then {rc.ppo_epochs} training pass(es); a line per step")
-    for step in range(start + 1, rc.steps + 1):
+
+    def draw(step: int) -> list[int]:
         # one global batch drawn alike on every rank, this rank's slice; answer i of global prompt k is
         # sampled with seed base + k·G + i, as one process drawing the whole batch would
-        pick = torch.randint(len(prompt_ids), (P * world,), generator=gen)[r * P:(r + 1) * P].tolist()
-        params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                                seed=(rc.seed + 7919 * step) % (1 << 62) + r * P * G, logprobs=0)
-        rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
-        rewards = score(reward_fn, [prompts[i] for i in pick], rollouts)
-        t0 = time.perf_counter()
-        stats = _train_on(engine, ref, rollouts, rewards, pol.pad_id, rc, hybrid.exact_logprobs)
-        t_train = time.perf_counter() - t0
-        times = hybrid.take_times()
-        run.log(step, reward=rewards.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
-                time_sync_s=times.sync, **stats)
-        run.checkpoint(engine, step, final=step == rc.steps)
+        return torch.randint(len(prompt_ids), (P * world,), generator=gen)[r * P:(r + 1) * P].tolist()
+
+    def produce(step: int, pick: list[int], version: int, sync: bool = False) -> RolloutBatch:
+        return make_batch(hybrid, step, pick, version, prompt_ids, prompts, reward_fn, rc, r, sync)
+
+    k = rc.async_rollouts
+    pipe = None
+    if start < rc.steps:
+        say("grpo", f"step {start + 1}: generating {G} answers to each of {P * world} prompts (up to "
+            f"{rc.max_new_tokens} tokens), scoring them, then {rc.ppo_epochs} training pass(es); a line per step"
+            + (f"; rollouts generated up to {k} step(s) ahead, in a background thread" if k else ""))
+        if k:
+            pipe = RolloutPipeline(k, start + 1, rc.steps, produce, draw, hybrid.snapshot_weights,
+                                   hybrid.load_snapshot)
+    try:
+        for step in range(start + 1, rc.steps + 1):
+            batch = pipe.get(step) if pipe else produce(step, draw(step), step - 1, sync=True)
+            t0 = time.perf_counter()
+            exact = hybrid.exact_logprobs and batch.version == step - 1
+            stats = _train_on(engine, ref, batch.rollouts, batch.rewards, pol.pad_id, rc, exact)
+            t_train = time.perf_counter() - t0
+            times = hybrid.take_times()
+            t_sync, t_wait = pipe.take_sync_wait() if pipe else (times.sync, 0.0)
+            if pipe:
+                pipe.trained(step, t0)
+            run.log(step, reward=batch.rewards.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
+                    time_sync_s=t_sync, time_wait_s=t_wait, staleness=step - 1 - batch.version,
+                    **batch.stats, **stats)
+            run.checkpoint(engine, step, final=step == rc.steps)
+    finally:
+        if pipe:
+            pipe.close()
     run.close()
-    return RunResult(engine, run.records, run.out, {"hybrid": hybrid})
+    extra = {"hybrid": hybrid}
+    if pipe:
+        extra["async"] = pipe.timeline.summary()
+    return RunResult(engine, run.records, run.out, extra)
 
 
 def _loss_mask(rollouts: list[Rollout], mask: torch.Tensor, rc) -> torch.Tensor:

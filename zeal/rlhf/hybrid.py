@@ -118,6 +118,23 @@ class HybridEngine:
         self.times.sync += time.perf_counter() - t0
         return n
 
+    @torch.no_grad()
+    def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the actor's current weights (every rank calls it; at ZeRO-3 unit by
+        unit), for :meth:`load_snapshot` on another thread while the actor trains on."""
+        was_training = self.engine.module.training
+        snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters()]
+        self.engine.module.train(was_training)
+        return snap
+
+    @torch.no_grad()
+    def load_snapshot(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy a :meth:`snapshot_weights` into the serving model (no collective: any thread
+        that is not generating at the time)."""
+        n = self.llm.load_weights(iter(weights))
+        self.num_syncs += 1
+        return n
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, sync: bool = True) -> list[Rollout]:
         """Sample ``params.n`` answers per prompt (token ids) with the current actor
         weights; log-probabilities are always returned. Rollouts come prompt by prompt,
