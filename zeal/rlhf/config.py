@@ -82,6 +82,9 @@ class RLHFConfig(BaseModel):
     share_prompt: bool = Field(True, description="GRPO: each prompt goes through the policy and the reference "
                                "once per group, its answers attending to its keys/values (zeal.rlhf.shared_prefix: "
                                "the same log-probs); off, or under ZeRO-3 or activation checkpointing: full rows.")
+    padding_free: bool = Field(False, description="SFT/DPO/GRPO: training passes over one concatenated row per "
+                               "micro-batch, positions restarting per sequence and attention within each one "
+                               "(zeal.rlhf.packing): no padding computed, the same per-token losses.")
     # PPO (DeepSpeed-Chat's constants)
     kl_coef: float = Field(0.1, ge=0.0, description="PPO: β of the per-token KL penalty in the rewards.")
     clip_reward: float = Field(5.0, gt=0.0, description="PPO: the reward score is clipped to ±this.")

@@ -36,6 +36,7 @@ from zeal.rlhf.config import split_config
 from zeal.rlhf.dapo import fill_groups, informative_groups, soft_overlong_penalty, truncated
 from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
+from zeal.rlhf.packing import packed_logprobs
 from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
 
 RewardFn = Callable[..., Sequence[float]]
@@ -233,7 +234,16 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
     (``rc.importance_sampling_correction``)."""
     loss_type = canonical_loss_type(rc.loss_type)
     adv = fm.group_advantages(rewards, rc.num_generations, rc.scale_rewards)
-    if rc.share_prompt and can_share(engine) and (ref is None or can_share(ref)):
+    if rc.padding_free:
+        rows = [r.prompt_ids + r.output_ids for r in rollouts]
+        b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pad_id,
+                 [r.logprobs for r in rollouts], loss_masks=[r.loss_mask for r in rollouts])
+        s0 = min(len(r.prompt_ids) for r in rollouts) - 1
+        mask, served = b.mask[:, s0:], b.logprobs[:, s0:]
+
+        def logprobs(model, s=slice(None), ent=False):
+            return packed_logprobs(model, rows[s], s0, ent, width=mask.shape[1])
+    elif rc.share_prompt and can_share(engine) and (ref is None or can_share(ref)):
         answers, mask, served = answer_batch(rollouts, pad_id)
 
         def logprobs(model, s=slice(None), ent=False):
