@@ -71,6 +71,10 @@ class RLHFConfig(BaseModel):
                                    "remain, or max_num_gen_batches generations were made.")
     max_num_gen_batches: int = Field(4, ge=1, description="GRPO: dynamic sampling's most generations per step "
                                      "(the last keeps uniform groups to fill the batch).")
+    max_turns: int = Field(4, ge=1, description="GRPO with an environment (multi-turn, tools): policy turns per "
+                           "episode at most (each up to max_new_tokens).")
+    max_episode_tokens: int | None = Field(None, ge=1, description="GRPO with an environment: answer tokens of "
+                                           "an episode at most, tool outputs included (None: no limit).")
     async_rollouts: int = Field(0, ge=0, description="GRPO: generate up to this many batches ahead of the trainer, "
                                 "in a background thread, while it updates (staleness ≤ k weight versions, "
                                 "corrected by the importance weights); 0: synchronous.")

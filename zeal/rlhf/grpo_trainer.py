@@ -36,6 +36,7 @@ from zeal.rlhf.config import split_config
 from zeal.rlhf.dapo import fill_groups, informative_groups, soft_overlong_penalty, truncated
 from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
+from zeal.rlhf.multiturn import Environment, run_episodes
 from zeal.rlhf.packing import packed_logprobs
 from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
 
@@ -85,23 +86,35 @@ def _regroup(groups: list[tuple[Any, list[Rollout], torch.Tensor]]) -> tuple[lis
 
 
 def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, prompt_ids: list[list[int]],
-               prompts: Sequence[Any], reward_fn, rc, rank: int, sync: bool) -> RolloutBatch:
+               prompts: Sequence[Any], reward_fn, rc, rank: int, sync: bool,
+               environment: Callable[[Any], Environment] | None = None) -> RolloutBatch:
     """Generate ``num_generations`` answers to each picked prompt and score them (plus DAPO's
     soft overlong punishment, ``rc.overlong_buffer``). With ``rc.dynamic_sampling`` the groups
     whose rewards are all equal are dropped and more prompts are drawn (a generator seeded
     by the seed, the step and the rank) until ``len(pick)`` groups remain or
-    ``max_num_gen_batches`` generations were made; then uniform groups fill the rest."""
+    ``max_num_gen_batches`` generations were made; then uniform groups fill the rest.
+    ``environment(prompt)``: each answer is a multi-turn episode with a fresh environment
+    (:func:`zeal.rlhf.multiturn.run_episodes`); its reward is the episode's plus
+    ``reward_fn``'s (None: none) on the final turn's text."""
     G, P = rc.num_generations, len(pick)
 
     def generate(idx: list[int], attempt: int, sync_now: bool) -> list[tuple[Any, list[Rollout], torch.Tensor]]:
         seed = (rc.seed + 7919 * step + 15485863 * attempt) % (1 << 62) + rank * P * G
         params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                 seed=seed, logprobs=0)
-        ros = hybrid.generate([prompt_ids[i] for i in idx], params, sync=sync_now)
+        ps = [prompts[i] for i in idx]
+        if environment is None:
+            ros = hybrid.generate([prompt_ids[i] for i in idx], params, sync=sync_now)
+            rew = score(reward_fn, ps, ros)
+        else:
+            envs = [environment(prompts[i]) for i in idx for _ in range(G)]
+            ros, env_rew = run_episodes(hybrid, envs, SamplingParams(**{**params.__dict__, "n": 1}), rc.max_turns,
+                                        rc.max_episode_tokens, sync=sync_now)
+            for k, ro in enumerate(ros):
+                ro.group = k // G
+            rew = torch.tensor(env_rew) + (score(reward_fn, ps, ros) if reward_fn is not None else 0.0)
         for ro in ros:
             ro.version = version
-        ps = [prompts[i] for i in idx]
-        rew = score(reward_fn, ps, ros)
         if rc.overlong_buffer:
             rew = rew + soft_overlong_penalty([len(ro.output_ids) for ro in ros], rc.max_new_tokens,
                                               rc.overlong_buffer, rc.overlong_penalty)
@@ -127,8 +140,9 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
     return RolloutBatch(rollouts, rewards, ps, version, stats)
 
 
-def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence[Any], config: Any = None, *,
-         tokenizer: Any = None, out: str | None = None, eos_token_ids: list[int] | None = None) -> RunResult:
+def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: Sequence[Any], config: Any = None, *,
+         tokenizer: Any = None, out: str | None = None, eos_token_ids: list[int] | None = None,
+         environment: Callable[[Any], Environment] | None = None) -> RunResult:
     """Train ``model`` (a zeal ``Llama``/``GPT``, a Hugging Face folder, or None: the embedded
     SmolLM2-135M-Instruct) with GRPO on ``prompts`` (texts, chat message lists, or token-id
     lists) against ``reward_fn`` (one function or a list; see :func:`score`). ``config``: a
@@ -136,13 +150,18 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
     (:class:`~zeal.rlhf.config.RLHFConfig`). Writes metrics and checkpoints under ``out``.
     With ``rlhf.async_rollouts: k`` ≥ 1 the next batches are generated while the trainer
     updates (:mod:`zeal.rlhf.async_rollouts`); the result's ``extra["async"]`` then holds
-    the generator/trainer overlap."""
+    the generator/trainer overlap. ``environment(prompt)``: a fresh
+    :class:`~zeal.rlhf.multiturn.Environment` per answer, which then is a multi-turn episode
+    (tool outputs masked out of the loss; see :mod:`zeal.rlhf.multiturn`, :class:`ToolEnv`)."""
     engine_cfg, rc = split_config(config)
+    if reward_fn is None and environment is None:
+        raise ValueError("grpo needs a reward function or an environment")
     gen = set_seed(rc.seed)
     pol = load_policy(model, tokenizer, eos_token_ids, job="grpo")
     disable_dropout(pol.model)
     ref = frozen_copy(pol.model) if rc.beta else None
-    prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
+    # with an environment each episode's prompt comes from its reset()
+    prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts] if environment is None else [[]] * len(prompts)
     G = rc.num_generations
     engine = build_engine(pol.model, engine_cfg, rc.batch_size * G, job="grpo")
     say("grpo", f"building the serving engine for the rollouts (KV cache {rc.kv_cache_bytes / 2**20:.0f} MiB)")
@@ -163,7 +182,7 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn], prompts: Sequence
         return torch.randint(len(prompt_ids), (P * world,), generator=gen)[r * P:(r + 1) * P].tolist()
 
     def produce(step: int, pick: list[int], version: int, sync: bool = False) -> RolloutBatch:
-        return make_batch(hybrid, step, pick, version, prompt_ids, prompts, reward_fn, rc, r, sync)
+        return make_batch(hybrid, step, pick, version, prompt_ids, prompts, reward_fn, rc, r, sync, environment)
 
     k = rc.async_rollouts
     pipe = None
