@@ -44,6 +44,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="PPO: a 'zeal rlhf rm' run folder whose reward model scores the answers")
     p.add_argument("--generation-dtype", default=None, choices=["auto", "fp32", "bf16"],
                    help="PPO/GRPO: dtype of the hybrid engine's serving copy (rlhf.generation_dtype; default auto)")
+    p.add_argument("--loss-type", default=None,
+                   choices=["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sequence", "token"],
+                   help="GRPO: the loss family member (rlhf.loss_type; default grpo; see zeal.rlhf.grpo_losses)")
+    p.add_argument("--async-rollouts", type=int, default=None, metavar="K",
+                   help="GRPO: generate up to K batches ahead while the trainer updates (rlhf.async_rollouts; 0: sync)")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the engine(s) (zero_optimization.stage; default: the config's, else 0)")
     p.add_argument("--lora", nargs="?", const="", metavar="K=V,...",
@@ -57,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 # the options a launched rank gets again, as given (--nproc is the launcher's own)
 _FORWARDED = ("model", "data", "steps", "out", "config", "reward", "reward_model", "generation_dtype", "zero_stage",
-              "lora")
+              "lora", "loss_type", "async_rollouts")
 
 
 def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
@@ -214,6 +219,12 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         rc.steps = args.steps
     if args.generation_dtype is not None:
         rc.generation_dtype = args.generation_dtype
+    if args.loss_type is not None:
+        rc.loss_type = args.loss_type
+    if args.async_rollouts is not None:
+        if args.async_rollouts < 0:
+            raise ValueError(f"--async-rollouts must be >= 0, got {args.async_rollouts}")
+        rc.async_rollouts = args.async_rollouts
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
     if getattr(args, "lora", None) is not None:

@@ -2,7 +2,8 @@
 hybrid engine that trains under ``zeal.initialize`` and generates with zeal's serving engine.
 
 The formulas are pure functions in :mod:`zeal.rlhf.formulas`; :func:`grpo`, :func:`dpo`,
-:func:`ppo`, :func:`sft` and :func:`reward_model` run whole jobs (imported on first use).
+:func:`ppo`, :func:`sft`, :func:`reward_model` and :func:`distill` (on-policy distillation) run whole
+jobs (imported on first use).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ _LAZY = {
     "HybridEngine": "zeal.rlhf.hybrid",
     "RLHFConfig": "zeal.rlhf.config",
     "grpo": "zeal.rlhf.grpo_trainer",
+    "distill": "zeal.rlhf.distillation",
     "dpo": "zeal.rlhf.offline_trainers",
     "ppo": "zeal.rlhf.ppo_trainer",
     "sft": "zeal.rlhf.offline_trainers",

@@ -28,9 +28,11 @@ class Packed:
 
 
 def pack(prompts: list[list[int]], answers: list[list[int]], pad_id: int,
-         logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu") -> Packed:
+         logprobs: list[list[float]] | None = None, device: torch.device | str = "cpu",
+         loss_masks: list[list[int] | None] | None = None) -> Packed:
     """Right-pad ``prompt + answer`` rows into one batch; answer ``i``'s tokens are the
-    actions ``[len(prompt_i) − 1, len(prompt_i) − 1 + len(answer_i))``."""
+    actions ``[len(prompt_i) − 1, len(prompt_i) − 1 + len(answer_i))``; ``loss_masks[i]``
+    (per answer token, None: ones) zeroes the mask on the tokens the policy did not choose."""
     if len(prompts) != len(answers):
         raise ValueError(f"pack: {len(prompts)} prompts for {len(answers)} answers")
     width = max(len(p) + len(a) for p, a in zip(prompts, answers))
@@ -43,7 +45,8 @@ def pack(prompts: list[list[int]], answers: list[list[int]], pad_id: int,
             raise ValueError(f"pack: prompt {i} is empty")
         ids[i, : len(p) + len(a)] = torch.tensor(p + a, dtype=torch.long)
         s = len(p) - 1
-        mask[i, s : s + len(a)] = 1.0
+        lm = loss_masks[i] if loss_masks is not None else None
+        mask[i, s : s + len(a)] = 1.0 if lm is None else torch.tensor(lm[: len(a)], dtype=torch.float32)
         if logprobs is not None:
             lps[i, s : s + len(a)] = torch.tensor(logprobs[i][: len(a)], dtype=torch.float32)
     return Packed(ids.to(device), mask.to(device), lps.to(device))
@@ -64,17 +67,28 @@ def projects_positions(model: nn.Module) -> bool:
         return False
 
 
-def answer_logprobs(model: nn.Module, ids: torch.Tensor, start: int) -> torch.Tensor:
+def answer_logprobs(model: nn.Module, ids: torch.Tensor, start: int,
+                    with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The log-probs of the actions ``start..T-2`` of ``ids (B, T)`` only: ``(B, T-1-start)``,
     equal to ``policy_logprobs(model, ids)[:, start:]``. Where the model takes
     ``logits_index`` the LM head and the softmax run on those positions alone (an RLHF
     answer's: the prompt's logits are never needed), which saves the head's share of the
-    forward and backward (SmolLM2: a 49k vocabulary, a fifth of the weights)."""
-    if start <= 0 or not projects_positions(model):
-        return policy_logprobs(model, ids)[:, max(start, 0):]
-    idx = torch.arange(start, ids.shape[1] - 1, device=ids.device)
-    lp = torch.log_softmax(model(ids, logits_index=idx).float(), dim=-1)
-    return lp.gather(-1, ids[:, start + 1 :].unsqueeze(-1)).squeeze(-1)
+    forward and backward (SmolLM2: a 49k vocabulary, a fifth of the weights).
+    ``with_entropy``: also each action's next-token entropy (no grad), ``(lp, entropy)``."""
+    start = max(start, 0)
+    if start == 0 or not projects_positions(model):
+        logits = model(ids)[:, start:-1]
+    else:
+        logits = model(ids, logits_index=torch.arange(start, ids.shape[1] - 1, device=ids.device))
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    out = lp.gather(-1, ids[:, start + 1 :].unsqueeze(-1)).squeeze(-1)
+    return (out, entropy_of(lp)) if with_entropy else out
+
+
+def entropy_of(log_probs: torch.Tensor) -> torch.Tensor:
+    """``−Σ p·log p`` over the last dim of normalised log-probs, without grad."""
+    with torch.no_grad():
+        return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def sequence_logprob(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from zeal.lora.rlhf import sync_stream
 @dataclass
 class Rollout:
     """One sampled answer: the prompt's and the answer's token ids, the serving engine's
-    log-probability of each answer token, and why it stopped."""
+    log-probability of each answer token (0 where ``loss_mask`` is 0), and why it stopped."""
 
     prompt_ids: list[int]
     output_ids: list[int]
@@ -35,6 +35,10 @@ class Rollout:
     text: str = ""
     finish_reason: str | None = None
     group: int = 0  # the index of its prompt in the batch
+    #: per answer token, 1 where the policy chose it (trained), 0 where it came from elsewhere (a tool's
+    #: output in a multi-turn episode: not trained); None: all ones
+    loss_mask: list[int] | None = None
+    version: int = 0  # the actor's weight version (optimizer steps taken) that generated it
 
 
 @dataclass
@@ -113,6 +117,23 @@ class HybridEngine:
         self.engine.module.train(was_training)
         self.num_syncs += 1
         self.times.sync += time.perf_counter() - t0
+        return n
+
+    @torch.no_grad()
+    def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """A copy of the actor's current weights (every rank calls it; at ZeRO-3 unit by
+        unit), for :meth:`load_snapshot` on another thread while the actor trains on."""
+        was_training = self.engine.module.training
+        snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters()]
+        self.engine.module.train(was_training)
+        return snap
+
+    @torch.no_grad()
+    def load_snapshot(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy a :meth:`snapshot_weights` into the serving model (no collective: any thread
+        that is not generating at the time)."""
+        n = self.llm.load_weights(iter(weights))
+        self.num_syncs += 1
         return n
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, sync: bool = True) -> list[Rollout]:

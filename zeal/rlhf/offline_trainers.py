@@ -24,6 +24,7 @@ from zeal.rlhf.common import (
 )
 from zeal.rlhf.config import split_config
 from zeal.rlhf.data import encode_pair, encode_sft, free_token, pad_rows
+from zeal.rlhf.packing import packed_logprobs
 from zeal.rlhf.value import ValueModel
 
 
@@ -71,9 +72,13 @@ def sft(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
 
     def step_fn(step):
         pick = next(batches)
-        ids = pad_rows([examples[i][0] for i in pick], pol.pad_id)
+        rows = [examples[i][0] for i in pick]
         mask = pad_rows([examples[i][1] for i in pick], 0)[:, 1:].float()
-        lp = fm.token_logprobs(engine(ids), ids)
+        if rc.padding_free:
+            lp = packed_logprobs(engine, rows)
+        else:
+            ids = pad_rows(rows, pol.pad_id)
+            lp = fm.token_logprobs(engine(ids), ids)
         loss = -fm.masked_mean(lp, mask)
         engine.backward(loss)
         engine.step()
@@ -160,7 +165,11 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         pick = next(batches)
         b = pack([prompts[i] for i in pick] * 2, [pairs[i][1] for i in pick] + [pairs[i][2] for i in pick],
                  pol.pad_id)
-        lp_c, lp_r = sequence_logprob(engine, b.ids, b.mask).chunk(2)
+        if rc.padding_free:
+            rows = [prompts[i] + pairs[i][1] for i in pick] + [prompts[i] + pairs[i][2] for i in pick]
+            lp_c, lp_r = (packed_logprobs(engine, rows) * b.mask).sum(-1).chunk(2)
+        else:
+            lp_c, lp_r = sequence_logprob(engine, b.ids, b.mask).chunk(2)
         loss, rc_, rr_ = fm.dpo_loss(lp_c, lp_r, ref_c[pick], ref_r[pick], rc.dpo_beta)
         engine.backward(loss)
         engine.step()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zeal.rlhf.batch import projects_positions
+from zeal.rlhf.batch import entropy_of, projects_positions
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -75,9 +75,10 @@ def can_share(model: nn.Module) -> bool:
 
 
 def group_logprobs(model: nn.Module, prompts: list[list[int]], group: torch.Tensor, answers: torch.Tensor,
-                   pad_id: int) -> torch.Tensor:
+                   pad_id: int, with_entropy: bool = False):
     """Answer-aligned log-probs ``(N, La)`` of ``answers (N, La)`` (right-padded with
-    ``pad_id``), answer ``i`` following ``prompts[group[i]]``; see the module docstring."""
+    ``pad_id``), answer ``i`` following ``prompts[group[i]]``; see the module docstring.
+    ``with_entropy``: ``(log-probs, next-token entropies)``."""
     dev = answers.device
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     lp_w, la = int(lens.max()), answers.shape[1]
@@ -98,13 +99,15 @@ def group_logprobs(model: nn.Module, prompts: list[list[int]], group: torch.Tens
     apos = lens[group][:, None] + acol[None, :]
     rest = model(answers, positions=apos, attention=_AnswerPass(ppass, group, amask),
                  logits_index=torch.arange(la - 1, device=dev))
-    logits = torch.cat([last[group], rest], dim=1).float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, answers.unsqueeze(-1)).squeeze(-1)
+    lp = torch.log_softmax(torch.cat([last[group], rest], dim=1).float(), dim=-1)
+    out = lp.gather(-1, answers.unsqueeze(-1)).squeeze(-1)
+    return (out, entropy_of(lp)) if with_entropy else out
 
 
 def answer_batch(rollouts, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(answers, mask, served)``, each ``(N, La)`` answer-aligned: the answer tokens
-    right-padded with ``pad_id``, 1 on real tokens, the serving engine's log-probs."""
+    right-padded with ``pad_id``, 1 on the tokens the policy chose (``Rollout.loss_mask``;
+    0 on padding and tool outputs), the serving engine's log-probs."""
     la = max(1, max(len(r.output_ids) for r in rollouts))
     answers = torch.full((len(rollouts), la), pad_id, dtype=torch.long)
     mask = torch.zeros(len(rollouts), la)
@@ -112,13 +115,13 @@ def answer_batch(rollouts, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, tor
     for i, r in enumerate(rollouts):
         n = len(r.output_ids)
         answers[i, :n] = torch.tensor(r.output_ids, dtype=torch.long)
-        mask[i, :n] = 1.0
+        mask[i, :n] = 1.0 if r.loss_mask is None else torch.tensor(r.loss_mask[:n], dtype=torch.float32)
         lps = r.logprobs[:n]
         served[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
     return answers, mask, served
 
 
-def rollout_logprobs(model: nn.Module, rollouts, answers: torch.Tensor, pad_id: int) -> torch.Tensor:
+def rollout_logprobs(model: nn.Module, rollouts, answers: torch.Tensor, pad_id: int, with_entropy: bool = False):
     """:func:`group_logprobs` of ``rollouts`` (each prompt once: rows with the same
     ``group`` share it) and their ``answers``, answer-aligned ``(N, La)``."""
     order: dict[int, int] = {}
@@ -128,4 +131,4 @@ def rollout_logprobs(model: nn.Module, rollouts, answers: torch.Tensor, pad_id: 
             order[r.group] = len(prompts)
             prompts.append(r.prompt_ids)
     group = torch.tensor([order[r.group] for r in rollouts], device=answers.device)
-    return group_logprobs(model, prompts, group, answers, pad_id)
+    return group_logprobs(model, prompts, group, answers, pad_id, with_entropy)

@@ -1,0 +1,169 @@
+"""DAPO's dynamic sampling, overlong filtering and soft overlong punishment on constructed
+groups; async rollouts: k = 0 is the synchronous loop exactly, k = 1 trains on batches at
+most one weight version old (version counters) and is deterministic given the seed."""
+
+import pytest
+import torch
+
+from zeal.rlhf import dapo
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_soft_overlong_penalty_formula():
+    # L_max 10, L_cache 4: 0 up to 6, then (6 − L)/4, then −1 beyond 10
+    got = dapo.soft_overlong_penalty([3, 6, 7, 8, 10, 11], 10, 4)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(dapo.soft_overlong_penalty([9], 10, 4, penalty=2.0), torch.tensor([-1.5]))
+    assert dapo.soft_overlong_penalty([10], 10, 0).item() == 0.0
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        dapo.soft_overlong_penalty([1], 4, 5)
+
+
+def test_informative_groups_and_fill():
+    rewards = torch.tensor([1.0, 1.0, 1.0,  0.0, 1.0, 0.0,  0.5, 0.5, 0.5,  0.0, 0.0, 2.0])
+    assert dapo.informative_groups(rewards, 3).tolist() == [1, 3]
+    with pytest.raises(ValueError):
+        dapo.informative_groups(rewards, 5)
+    kept = [("a", [], None), ("b", [], None)]
+    spare = [("u", [], None), ("v", [], None)]
+    assert [g[0] for g in dapo.fill_groups(kept, 3, spare)] == ["a", "b", "u"]
+    assert [g[0] for g in dapo.fill_groups(kept, 1, spare)] == ["a"]
+
+
+def test_overlong_filtering_masks_truncated_answers():
+    from zeal.rlhf.config import RLHFConfig
+    from zeal.rlhf.grpo_trainer import _loss_mask
+    from zeal.rlhf.hybrid import Rollout
+
+    ros = [Rollout([1], [2, 3], [0, 0], finish_reason="stop"), Rollout([1], [2, 3], [0, 0], finish_reason="length")]
+    mask = torch.ones(2, 2)
+    torch.testing.assert_close(_loss_mask(ros, mask, RLHFConfig(mask_truncated_completions=True)),
+                               torch.tensor([[1.0, 1.0], [0.0, 0.0]]))
+    torch.testing.assert_close(_loss_mask(ros, mask, RLHFConfig()), mask)
+
+
+class _FakeHybrid:
+    """Answers whose reward is set by the prompt: prompt ids < 3 score all alike (uniform
+    groups), others alternate 0/1 (informative)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, params, sync=True):
+        from zeal.rlhf.hybrid import Rollout
+
+        self.calls.append((list(prompts), sync))
+        return [Rollout(p, [p[0]] * (i + 1), [0.0] * (i + 1), group=g) for g, p in enumerate(prompts)
+                for i in range(params.n)]
+
+
+def _reward(prompts, completions, completion_ids):
+    return [1.0 if ids[0] < 3 else float(len(ids) % 2) for ids in completion_ids]
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_refills():
+    from zeal.rlhf.config import RLHFConfig
+    from zeal.rlhf.grpo_trainer import make_batch
+
+    prompt_ids = [[i] for i in range(6)]  # 0, 1, 2 uniform; 3, 4, 5 informative
+    rc = RLHFConfig(num_generations=2, dynamic_sampling=True, max_num_gen_batches=20, seed=1)
+    h = _FakeHybrid()
+    b = make_batch(h, 1, [0, 3, 1], 0, prompt_ids, list(range(6)), _reward, rc, 0, True)
+    assert [r.prompt_ids[0] >= 3 for r in b.rollouts] == [True] * 6  # 3 informative groups, in draw order
+    assert b.prompts[0] == 3 and [r.group for r in b.rollouts] == [0, 0, 1, 1, 2, 2]
+    assert len(h.calls) == b.stats["num_gen_batches"] >= 2
+    assert h.calls[0][1] is True and all(not s for _, s in h.calls[1:])  # refills reuse the synced weights
+    for g in range(3):
+        assert b.rewards[2 * g] != b.rewards[2 * g + 1]
+    # a budget of one generation: the uniform groups fill the batch
+    rc1 = RLHFConfig(num_generations=2, dynamic_sampling=True, max_num_gen_batches=1)
+    b1 = make_batch(_FakeHybrid(), 1, [0, 3, 1], 0, prompt_ids, list(range(6)), _reward, rc1, 0, True)
+    assert b1.prompts == [3, 0, 1] and b1.stats["informative_groups"] == pytest.approx(1 / 3)
+    # off: the batch as drawn
+    b0 = make_batch(_FakeHybrid(), 1, [0, 3, 1], 0, prompt_ids, list(range(6)), _reward, RLHFConfig(num_generations=2),
+                    0, True)
+    assert b0.prompts == [0, 3, 1] and b0.stats == {}
+    # the soft overlong punishment is added to the rewards: answers of 1 and 2 tokens, limit 2, buffer 1
+    rc2 = RLHFConfig(num_generations=2, max_new_tokens=2, overlong_buffer=1, overlong_penalty=0.5)
+    b2 = make_batch(_FakeHybrid(), 1, [0], 0, prompt_ids, list(range(6)), _reward, rc2, 0, True)
+    torch.testing.assert_close(b2.rewards, torch.tensor([1.0, 1.0 - 0.5]))
+
+
+def _run(tmp_path, name, **rlhf):
+    from tests.rlhf.test_e2e import PROMPTS, fraction_of_target, tiny
+    from zeal.rlhf import grpo
+
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+           "rlhf": {"steps": 4, "batch_size": 2, "num_generations": 4, "max_new_tokens": 6, "beta": 0.04,
+                    "generation_dtype": "fp32", **rlhf}}
+    res = grpo(tiny(), fraction_of_target, PROMPTS, cfg, out=str(tmp_path / name))
+    return res, {k: v.clone() for k, v in res.engine.module_state_dict().items()}
+
+
+def test_async_k0_is_sync_and_k1_is_one_step_stale_and_deterministic(tmp_path):
+    sync, w_sync = _run(tmp_path, "sync")
+    k0, w_k0 = _run(tmp_path, "k0", async_rollouts=0)
+    for k in w_sync:
+        assert torch.equal(w_sync[k], w_k0[k]), k
+    assert [r["reward"] for r in sync.metrics] == [r["reward"] for r in k0.metrics]
+    assert "async" not in k0.extra and all(r["staleness"] == 0 for r in k0.metrics)
+
+    a, w_a = _run(tmp_path, "a", async_rollouts=1)
+    b, w_b = _run(tmp_path, "b", async_rollouts=1)
+    # version counters: batch 1 and 2 from version 0, batch t from version t − 2 afterwards
+    assert [r["staleness"] for r in a.metrics] == [0, 1, 1, 1]
+    for k in w_a:
+        assert torch.equal(w_a[k], w_b[k]), k
+    assert [r["reward"] for r in a.metrics] == [r["reward"] for r in b.metrics]
+    # step 1 sees the same batch and weights as the synchronous run
+    assert a.metrics[0]["reward"] == sync.metrics[0]["reward"]
+    assert a.metrics[0]["loss"] == pytest.approx(sync.metrics[0]["loss"], abs=1e-6)
+    # stale batches: behaviour log-probs from the generator, corrected by the importance weights
+    assert all("is_ratio_mean" in r for r in a.metrics[1:])
+    s = a.extra["async"]
+    assert 0.0 <= s["overlap_share"] <= 1.0 and s["generate_s"] > 0 and s["train_s"] > 0
+
+
+def test_async_k2_staleness_bound(tmp_path):
+    res, _ = _run(tmp_path, "k2", async_rollouts=2)
+    assert [r["staleness"] for r in res.metrics] == [0, 1, 2, 2]
+
+
+def test_pipeline_refuses_a_batch_older_than_k():
+    from types import SimpleNamespace
+
+    from zeal.rlhf.async_rollouts import RolloutPipeline
+
+    pipe = RolloutPipeline(1, 1, 3, lambda step, pick, version: SimpleNamespace(version=version - 5),
+                           lambda step: None, lambda: None, lambda w: None)
+    try:
+        pipe.get(1)  # 0 − (−5) ≤ 1? no: 5 steps old
+    except RuntimeError as e:
+        assert "steps old" in str(e)
+    else:
+        raise AssertionError("a stale batch was accepted")
+    finally:
+        pipe.close()
+
+
+def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
+    from tests.rlhf.conftest import build_tiny_folder
+    from zeal.cli.main import main
+
+    tiny = build_tiny_folder(tmp_path / "tiny")
+    seen = {}
+
+    def fake_grpo(model, reward_fn, prompts, config, out=None):
+        seen.update(config)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("zeal.rlhf.grpo_trainer.grpo", fake_grpo)
+    argv = ["rlhf", "grpo", "--model", str(tiny), "--out", str(tmp_path / "run")]
+    assert main([*argv, "--loss-type", "dapo", "--async-rollouts", "1"]) == 2
+    assert seen["rlhf"]["loss_type"] == "dapo" and seen["rlhf"]["async_rollouts"] == 1
+    seen.clear()
+    assert main(argv) == 2
+    assert seen["rlhf"]["loss_type"] == "grpo" and seen["rlhf"]["async_rollouts"] == 0
+    with pytest.raises(SystemExit):
+        main([*argv, "--loss-type", "ppo"])
