@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("parallel",),                         # tensor / vocab parallelism, the tp RNG tracker
     ("moe",),                              # experts, dispatch, expert parallelism (over tp, pp and ZeRO)
     ("checkpoint",),                       # save / load / export over the sharded-state API
+    ("lora",),                             # LoRA / QLoRA adapters, PEFT folders (over tp, moe, checkpoint files)
     ("train", "inference"),                # the training engine; the serving engine (neither knows the other)
     ("zeal",),                             # the public API
     ("rlhf", "integrations", "deepspeed"),  # built on training + serving; HF Trainer; DeepSpeed's API
@@ -49,6 +50,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     # models → compression: loading a compressed-tensors folder dequantizes it.
     # Out: the decompressor registered by compression, or hf.py's loader moved up.
     ("zeal.models.hf", "zeal.compression.export"): "compressed-tensors folders dequantized on load",
+    ("zeal.checkpoint.export", "zeal.lora.merge"): "export --merge-lora folds a checkpoint's adapters in",
     # pipe → train: PipelineEngine is a TrainEngine for one stage (train/build.py builds it).
     # Out: pipe/engine.py moves into train/.
     ("zeal.pipe.engine", "zeal.train.engine"): "PipelineEngine subclasses TrainEngine",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from zeal.cli.lora_flag import parse_lora_flag
 from zeal.cli.overrides import UsageError
-from zeal.lora.cli import parse_lora_flag
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -26,7 +26,7 @@ def _lp(model, ids):
 
 def test_reference_is_the_base_with_adapters_off(tmp_path):
     import zeal
-    from zeal.lora.rlhf import AdapterlessView, reference_policy
+    from zeal.rlhf.adapters import AdapterlessView, reference_policy
 
     write_initial_adapter(tmp_path)
     cfg = engine_config(tmp_path)
@@ -86,7 +86,7 @@ def _packed(rows):
 def _sync(rank, world, folder, stage):
     import zeal
     from zeal.lora.merge import merge_and_unload
-    from zeal.lora.rlhf import sync_stream
+    from zeal.rlhf.adapters import sync_stream
 
     engine = zeal.initialize(zeal_model(), engine_config(folder, stage))
     zeal_losses(engine, rank if world > 1 else None)

@@ -154,7 +154,7 @@ def _export(result, out: Path, model_path: str | None, job: str) -> None:
                 (out / "reward_model.json").write_text(json.dumps({"base": model_path}))
         return
     if getattr(engine, "lora", None) is not None:  # LoRA: adapter/ (PEFT) and the merged model/
-        from zeal.lora.rlhf import export_lora
+        from zeal.rlhf.adapters import export_lora
 
         export_lora(engine, out)
     else:
@@ -228,7 +228,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
     if getattr(args, "lora", None) is not None:
-        from zeal.lora.cli import parse_lora_flag
+        from zeal.cli.lora_flag import parse_lora_flag
 
         if job == "rm":
             raise ValueError("zeal rlhf rm --lora is not supported: the reward model's value head must train whole")

@@ -112,7 +112,7 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     if args.checkpoint_activations:
         tree["engine"].setdefault("activation_checkpointing", {})
     if getattr(args, "lora", None) is not None:
-        from zeal.lora.cli import parse_lora_flag
+        from zeal.cli.lora_flag import parse_lora_flag
 
         tree["engine"]["lora"] = {**(tree["engine"].get("lora") or {}), **parse_lora_flag(args.lora)}
     engine_keys = set(Config.model_fields)

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from zeal.inference.sampling_params import SamplingParams
-from zeal.lora.rlhf import reference_policy
 from zeal.rlhf import formulas as fm
 from zeal.rlhf import grpo_losses as gl
+from zeal.rlhf.adapters import reference_policy
 from zeal.rlhf.async_rollouts import RolloutPipeline
 from zeal.rlhf.batch import answer_logprobs, pack
 from zeal.rlhf.common import (

@@ -21,7 +21,7 @@ from torch import nn
 from zeal.inference.llm import LLM
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
-from zeal.lora.rlhf import sync_stream
+from zeal.rlhf.adapters import sync_stream
 
 
 @dataclass

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from zeal.inference.sampling_params import SamplingParams
-from zeal.lora.rlhf import reference_policy, without_lora
 from zeal.rlhf import formulas as fm
+from zeal.rlhf.adapters import reference_policy, without_lora
 from zeal.rlhf.batch import Packed, answer_logprobs, pack, policy_logprobs
 from zeal.rlhf.common import (
     RunLog,
