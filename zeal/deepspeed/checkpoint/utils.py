@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 
-def clone_tensors_for_torch_save(item: Any, device: torch.device | str = torch.device("cpu")) -> Any:
+def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
     """``item`` with every tensor in it (nested in lists, tuples, dicts) replaced by a
     detached copy on ``device``, so that saving it stores no views of larger storage."""
     device = torch.device(device)
