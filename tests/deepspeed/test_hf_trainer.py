@@ -43,7 +43,8 @@ def _run(out: Path, *args: str, ranks: int = 1, plain: bool = False) -> dict:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     got = json.loads(line.split(" ", 1)[1])
-    got["losses"] = {int(k): v for k, v in got["losses"].items()}
+    if isinstance(got["losses"], dict):
+        got["losses"] = {int(k): v for k, v in got["losses"].items()}
     return got
 
 
@@ -144,3 +145,23 @@ def test_clone_tensors_for_torch_save_copies_nested_tensors():
     assert torch.equal(out["b"][0], base[2:4]) and out["a"].untyped_storage().nbytes() == 8  # no view of base
     base.zero_()
     assert out["a"].tolist() == [0.0, 1.0]
+
+
+# -- accelerate's DeepSpeed plugin -------------------------------------------------------------------
+
+def _run_accelerate(out: Path, stage: int, ranks: int) -> dict:
+    global SCRIPT
+    saved, SCRIPT = SCRIPT, SCRIPT.parent / "accelerate_ds.py"
+    try:
+        out.mkdir(parents=True)
+        return _run(out, "--stage", str(stage), ranks=ranks)
+    finally:
+        SCRIPT = saved
+
+
+@pytest.mark.parametrize(("stage", "ranks"), [(2, 1)])
+def test_accelerate_deepspeed_plugin_trains_like_plain_pytorch_and_reloads_its_state(tmp_path, stage, ranks):
+    got = _run_accelerate(tmp_path / "run", stage, ranks)
+    assert got["engine"] == "zeal.deepspeed.engine" and got["stage"] == stage
+    assert got["losses"] == pytest.approx(got["reference"], rel=1e-5)  # fp32: one process, the global batch
+    assert got["again"] == pytest.approx(got["losses"][3:], rel=1e-6)  # after load_state of step 3's state
