@@ -42,6 +42,7 @@ class Case:
     args: list[str] = field(default_factory=list)
     tol: float = FP32_TOL
     refused: str = ""  # zeal refuses it by design: why (counted apart)
+    switch: bool = False  # zeal side under the `import deepspeed` switch (the script never names zeal)
 
 
 def cases(steps: int) -> list[Case]:
@@ -70,6 +71,16 @@ def cases(steps: int) -> list[Case]:
                     2, "pp2", [*s]))
     out.append(Case("pipe-2stages-zealkey", "pipe_ds.py", "as above + zeal's pipeline_parallel section, no in-place",
                     2, "pp2", ["--zeal-pipeline-section", *s]))
+    for ranks, stage, extra in ((1, 2, ["--resume-at", "10"]), (2, 2, []), (1, 3, []), (2, 3, ["--resume-at", "10"]),
+                                (2, 2, ["--ds-optimizer"])):
+        what = "HF Trainer, TrainingArguments(deepspeed=dict with auto), " + (
+            "DS AdamW + WarmupDecayLR (DummyOptim)" if extra == ["--ds-optimizer"] else "HF AdamW + linear schedule")
+        if extra and extra[0] == "--resume-at":
+            what += "; save, then resume_from_checkpoint (steps 11-20 again)"
+        name = f"hf-trainer-z{stage}-r{ranks}" + ("-dsopt" if "--ds-optimizer" in extra else "") + (
+            "-resume" if "--resume-at" in extra else "")
+        out.append(Case(name, "hf_trainer_ds.py", what, ranks, stage, ["--stage", str(stage), *extra, *s],
+                        switch=True))
     return out
 
 
@@ -82,6 +93,9 @@ def _port() -> int:
 def run_side(case: Case, side: str, python: str, timeout: int) -> dict:
     env = dict(os.environ, COMPAT_SIDE=side, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(HERE)] if side == "zeal" else [str(HERE)]))
+    if side == "zeal" and case.switch:  # what `zeal deepspeed` / ZEAL_DEEPSPEED=1 does for torchrun
+        env.update(ZEAL_DEEPSPEED="1", PYTHONPATH=os.pathsep.join([str(REPO / "zeal" / "deepspeed" / "_site"),
+                                                                    env["PYTHONPATH"]]))
     cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks), "--master_port", str(_port()),
            case.script, *case.args]
     t0 = time.perf_counter()

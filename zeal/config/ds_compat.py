@@ -219,6 +219,8 @@ def _aliases(cfg: dict[str, Any], notes: list[str]) -> None:
 
 
 def _legacy_forms(cfg: dict[str, Any], notes: list[str]) -> None:
+    if cfg.get("steps_per_print") == float("inf"):  # accelerate's "never print"
+        cfg["steps_per_print"] = 2**62
     zero = cfg.get("zero_optimization")
     if isinstance(zero, bool):  # legacy form: "zero_optimization": true means stage 1
         cfg["zero_optimization"] = zero = {"stage": 1 if zero else 0}

@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zeal.deepspeed import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
+from zeal.deepspeed import accelerator, checkpoint, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.comm.comm import init_distributed
 from zeal.deepspeed.engine import DeepSpeedEngine, PipelineEngine
@@ -36,7 +36,7 @@ from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
 from zeal.deepspeed.utils import OnDevice, log_dist, logger
 
 __all__ = ["DeepSpeedEngine", "OnDevice", "PipelineEngine", "PipelineModule", "accelerator", "add_config_arguments",
-           "checkpointing", "comm", "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "moe",
+           "checkpoint", "checkpointing", "comm", "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "moe",
            "ops", "pipe", "runtime", "utils", "zero"]
 __version__ = "0.19.8+zeal"
 version = __version__
@@ -74,7 +74,6 @@ _REASONS = {
     "io": "zeal's NVMe offload is zero_optimization.offload_*.device 'nvme'",
     "sequence": "zeal has no sequence parallelism", "linear": "zeal has no DeepSpeed linear (LoRA) layers",
     "model_implementations": "use zeal.models", "datastates": "zeal checkpoints with zeal.checkpoint",
-    "checkpoint": "zeal's checkpoints: engine.save_checkpoint / zeal.checkpoint / `zeal checkpoint`",
     "load_ds_config": "zeal.load_config(dict_or_path)", "DeepSpeedOptimizerCallable": "pass a callable taking "
     "parameters as optimizer=", "DeepSpeedSchedulerCallable": "pass a callable taking the optimizer as lr_scheduler=",
     "monitor": "zeal writes metrics to its run folder (engine.monitor is there, disabled)",
@@ -143,6 +142,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                              training_data=training_data, model_parameters=model_parameters, collate_fn=collate_fn,
                              dist_init_required=dist_init_required)
     ds = (PipelineEngine if hasattr(engine, "train_batch") else DeepSpeedEngine)(engine)
+    ds.__dict__["_ds_config"] = _as_dict(config)  # what DeepSpeed's engine.config holds
     return ds, engine.optimizer, engine.dataloader, engine.lr_scheduler
 
 
@@ -160,3 +160,11 @@ def _with_pipeline_size(config: Any, num_stages: int) -> Any:
                              f"pipeline_parallel.size is {section['size']}")
         return config
     return {**config, "pipeline_parallel": {**section, "size": num_stages}}
+
+
+def _as_dict(config: Any) -> dict | None:
+    """A DeepSpeed config as a dict (a JSON path read); None for a zeal ``Config``."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    return config if isinstance(config, dict) else None

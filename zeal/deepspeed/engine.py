@@ -139,8 +139,11 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def config(self) -> Any:
-        """The engine's configuration (zeal's validated ``Config``)."""
-        return self.engine.config
+        """The config as given to ``initialize``, a dict as DeepSpeed keeps it (Hugging Face
+        reads ``engine.config.get("zero_optimization", {})``); zeal's validated ``Config`` is
+        ``engine.engine.config``."""
+        raw = self.__dict__.get("_ds_config")
+        return raw if raw is not None else self.engine.config
 
     @property
     def training_dataloader(self) -> Any:
@@ -421,6 +424,25 @@ class DeepSpeedEngine(nn.Module):
                     buf.copy_(sd[name])
         return _IncompatibleKeys(missing, unexpected)
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole model's state (parameters in the compute dtype, buffers), on CPU, on
+        rank 0 and None elsewhere; every rank calls it. ZeRO-3 only, as DeepSpeed's (a
+        ValueError otherwise) — Hugging Face and accelerate save models with it."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this function requires ZeRO-3 mode")
+        return self._consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """The whole model's state in the compute dtype on rank 0 (None elsewhere), any stage."""
+        from collections import OrderedDict
+
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.global_rank != 0:
+            return None
+        dtype = self.engine._p.compute_dtype
+        params = {n for n, _ in self.module.named_parameters()}
+        return OrderedDict((k, v.to(dtype) if k in params and v.is_floating_point() else v) for k, v in state.items())
+
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the whole model in the compute dtype to ``save_dir/save_filename`` from rank 0
@@ -433,12 +455,15 @@ class DeepSpeedEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """Save under ``save_dir/tag`` (default ``global_step{N}``); every rank calls it.
-        ``save_latest`` and ``exclude_frozen_parameters`` are accepted (zeal always
-        records the latest tag and saves every parameter)."""
+        """Save under ``save_dir/tag`` (default ``global_step{N}``), replacing that tag if it
+        exists (as DeepSpeed); every rank calls it. ``save_latest`` and
+        ``exclude_frozen_parameters`` are accepted (zeal always records the latest tag and
+        saves every parameter)."""
+        from zeal.deepspeed.saving import save_replacing
+
         del save_latest, exclude_frozen_parameters
         tag = str(tag) if tag is not None else f"global_step{self.engine.global_steps}"
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {})
+        save_replacing(self.engine, save_dir, tag, client_state or {})
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
