@@ -10,7 +10,8 @@ whole model under ``module.`` keys (full values, gathered at ZeRO-3) and
 differ from zeal's (``wall_clock_breakdown()`` and ``loss_scale()`` read the config).
 
 A DeepSpeed name zeal does not implement raises :class:`~zeal.deepspeed.refusals.Refused`
-at the attribute, one line naming the API and what to use instead."""
+at the attribute, one line naming the API and what to use instead; any other name is looked up
+on the model, as DeepSpeed's engine does (``engine.gradient_checkpointing_enable()``)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class DeepSpeedEngine(nn.Module):
         global _last
         _last = weakref.ref(engine)
 
-    # -- attribute lookup: nn.Module's, then zeal's shared names, then refusals -----------------
+    # -- attribute lookup: nn.Module's, zeal's shared names, refusals, then the model's (as DeepSpeed) --
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -51,7 +52,15 @@ class DeepSpeedEngine(nn.Module):
         if name in _ZERO_FIELDS:
             field = _ZERO_FIELDS[name]
             return lambda: getattr(self.__dict__["engine"].config.zero_optimization, field)
-        raise _refusal(name)
+        error = _refusal(name)
+        if isinstance(error, _NotDeepSpeed):  # as DeepSpeed's: the model's own attributes pass through
+            module = self._modules.get("module")
+            if module is not None and not name.startswith("__"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+        raise error
 
     def __getattribute__(self, name: str) -> Any:
         if name in _MOVES:
@@ -487,7 +496,7 @@ def _refusal(name: str) -> AttributeError:
 
 
 class _NotDeepSpeed(AttributeError):
-    """A name neither zeal nor DeepSpeed has: a plain AttributeError."""
+    """A name neither zeal, DeepSpeed nor the model has: a plain AttributeError."""
 
 
 class PipelineEngine(DeepSpeedEngine):

@@ -108,6 +108,7 @@ class ThroughputTimer:
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
         self.global_step_count = 0
+        self.epoch_count = 0
         self.total_elapsed_time = 0.0
         self._last: float | None = None
 
@@ -117,6 +118,10 @@ class ThroughputTimer:
             self.total_elapsed_time += now - self._last
             self.global_step_count += 1
         self._last, self.batch_size = now, batch_size
+
+    def update_epoch_count(self) -> None:
+        """Count a finished epoch (scripts call it at each epoch's end)."""
+        self.epoch_count += 1
 
     def avg_samples_per_sec(self) -> float:
         """Mean samples per second per step so far (-inf before two steps, as DeepSpeed)."""
