@@ -22,7 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeal.deepspeed.engine_parts import _DELEGATED, _MOVES, _REASONS, _ZERO_FIELDS, Monitor, ThroughputTimer
+from zeal.deepspeed.engine_parts import (
+    _DELEGATED,
+    _FIXED,
+    _MOVES,
+    _REASONS,
+    _ZERO_FIELDS,
+    Monitor,
+    ThroughputTimer,
+)
 from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
 
 _last: weakref.ref | None = None  # the zeal engine of the most recent initialize (deepspeed.utils.groups)
@@ -52,6 +60,8 @@ class DeepSpeedEngine(nn.Module):
         if name in _ZERO_FIELDS:
             field = _ZERO_FIELDS[name]
             return lambda: getattr(self.__dict__["engine"].config.zero_optimization, field)
+        if name in _FIXED:
+            return lambda: _FIXED[name]
         error = _refusal(name)
         if isinstance(error, _NotDeepSpeed):  # as DeepSpeed's: the model's own attributes pass through
             module = self._modules.get("module")
@@ -374,6 +384,17 @@ class DeepSpeedEngine(nn.Module):
     def is_iterable_style_dataset(obj: Any) -> bool:
         return isinstance(obj, torch.utils.data.IterableDataset)
 
+    def is_first_weights_partition_group(self) -> bool:
+        """Whether the weights are partitioned (ZeRO-3), as DeepSpeed answers it."""
+        return self.zero_optimization_partition_weights()
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collector now (a safe point the script chose); the
+        number of objects collected."""
+        import gc
+
+        return gc.collect()
+
     def destroy(self) -> None:
         """Release the engine's collectives and buffers (it is unusable after)."""
         self.engine.close()
@@ -482,7 +503,7 @@ class DeepSpeedEngine(nn.Module):
         ``name`` (for ``bench/compat/ds_surface.py``)."""
         if name in _MOVES:
             return "refused"
-        if hasattr(cls, name) or name in _DELEGATED or name in _ZERO_FIELDS:
+        if hasattr(cls, name) or name in _DELEGATED or name in _ZERO_FIELDS or name in _FIXED:
             return "implemented"
         return "refused" if reason_by_prefix(name, _REASONS) is not None else "missing"
 
