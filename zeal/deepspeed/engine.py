@@ -46,6 +46,10 @@ class DeepSpeedEngine(nn.Module):
         self.monitor = Monitor()
         self.tput_timer = ThroughputTimer(engine.train_batch_size())
         self._applied = False
+        if engine.config.zero_optimization.stage == 3:
+            from zeal.deepspeed.zero import mark_partitioned
+
+            mark_partitioned(engine.module)  # DeepSpeed's ds_* markers, which its scripts test
         global _last
         _last = weakref.ref(engine)
 
