@@ -30,6 +30,7 @@ from typing import Any
 from zeal.deepspeed import accelerator, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.comm.comm import init_distributed
+from zeal.deepspeed.ds_config import as_deepspeed_reads
 from zeal.deepspeed.engine import DeepSpeedEngine, PipelineEngine
 from zeal.deepspeed.hybrid_engine import DeepSpeedHybridEngine, split_hybrid
 from zeal.deepspeed.pipe import PipelineModule
@@ -139,7 +140,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    config, hybrid = split_hybrid(config)
+    config, hybrid = split_hybrid(as_deepspeed_reads(config))
     engine = zeal.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                              training_data=training_data, model_parameters=model_parameters, collate_fn=collate_fn,
                              dist_init_required=dist_init_required)
