@@ -7,8 +7,11 @@ with :meth:`DeepSpeedHybridEngine.generate`, which it also installs as the model
 eval mode without gradients; at ZeRO-3 the whole model is gathered once for it (zeal's
 ``gathered_parameters``: one all-gather per flat unit, released at the end), as
 DeepSpeed's hybrid engine does with ``gather_all_layers``. Tokens come from the model's
-own ``generate`` (Hugging Face's decoding loop and KV cache): DeepSpeed 0.19.8 does the same
-for the Cache-based decoders of transformers 5, for which it has no inference kernels.
+own ``generate`` (Hugging Face's decoding loop and KV cache), the path DeepSpeed 0.19.8
+takes for a model it has no inference policy for; where it has one (OPT, Llama) it swaps
+in its CUDA inference kernels, which have no CPU implementation ("This op had not been
+implemented on CPU backend": DeepSpeed-Chat's step 3 with the hybrid engine does not run
+on DeepSpeed's CPU accelerator, and runs on zeal's).
 
 The section's settings are validated as DeepSpeed's ``HybridEngineConfig``;
 ``inference_tp_size > 1`` (tensor-parallel generation) is refused."""
