@@ -183,7 +183,10 @@ def main() -> None:
     for r in rows:
         step = int(r["case"][4])
         ok = r["max_rel"] is not None and (step == 3 or r["max_rel"] <= BF16_TOL)
-        m = "failed" if r["max_rel"] is None else f"{r['max_rel']:.1e}"
+        if r["max_rel"] is not None:
+            m = f"{r['max_rel']:.1e}"
+        else:
+            m = "DeepSpeed failed, zeal ran" if r["zeal"] and not r["ds"] else "failed"
         tol = f"{BF16_TOL:.0e}" if step < 3 else "behaviour"
         print(f"| {r['case']} | {r['ranks']} | {r['stage']} | {what[step]} | {m} | {tol} | {r['time_ratio']:.2f} "
               f"{'ok' if ok else ''} |")
