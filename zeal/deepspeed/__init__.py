@@ -30,13 +30,16 @@ from typing import Any
 from zeal.deepspeed import accelerator, checkpoint, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
 from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.comm.comm import init_distributed
+from zeal.deepspeed.ds_config import as_deepspeed_reads
 from zeal.deepspeed.engine import DeepSpeedEngine, PipelineEngine
+from zeal.deepspeed.hybrid_engine import DeepSpeedHybridEngine, split_hybrid
 from zeal.deepspeed.pipe import PipelineModule
 from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
 from zeal.deepspeed.utils import OnDevice, log_dist, logger
 
-__all__ = ["DeepSpeedEngine", "OnDevice", "PipelineEngine", "PipelineModule", "accelerator", "add_config_arguments",
-           "checkpoint", "checkpointing", "comm", "get_accelerator", "init_distributed", "initialize", "log_dist", "logger", "moe",
+__all__ = ["DeepSpeedEngine", "DeepSpeedHybridEngine", "OnDevice", "PipelineEngine", "PipelineModule", "accelerator",
+           "add_config_arguments", "checkpoint", "checkpointing", "comm", "get_accelerator", "init_distributed",
+           "initialize", "log_dist", "logger", "moe",
            "ops", "pipe", "runtime", "utils", "zero"]
 __version__ = "0.19.8+zeal"
 version = __version__
@@ -51,8 +54,6 @@ _REASONS = {
     "InferenceEngine": "serve with zeal.LLM(...) / `zeal serve`",
     "DeepSpeedInferenceConfig": "zeal's inference config is zeal.config.InferenceConfig",
     "inference": "serve with zeal.LLM(...) / `zeal serve`",
-    "DeepSpeedHybridEngine": "the hybrid engine comes from the config's hybrid_engine section via initialize "
-                             "(or `zeal rlhf`)",
     "DeepSpeedTransformerLayer": "use zeal.models' blocks", "DeepSpeedTransformerConfig": "use zeal.models' blocks",
     "module_inject": "zeal applies tensor parallelism from the config (tensor_parallel.autotp_size)",
     "replace_transformer_layer": "zeal applies tensor parallelism from the config (tensor_parallel.autotp_size)",
@@ -115,7 +116,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     given, as in DeepSpeed); ``"auto"`` values are taken from the model and the client
     optimizer or name their key in a ConfigError. A :class:`PipelineModule` with no
     ``pipeline_parallel`` section in the config sets the pipeline size to its
-    ``num_stages``. ``mpu`` and ``mesh_param`` (Megatron's model-parallel objects) are
+    ``num_stages``. An enabled ``hybrid_engine`` section returns a
+    :class:`DeepSpeedHybridEngine` (training plus ``generate``). ``mpu`` and ``mesh_param`` (Megatron's model-parallel objects) are
     refused: zeal's tensor and pipeline parallelism come from the config
     (``tensor_parallel.autotp_size``, ``pipeline_parallel``)."""
     import zeal
@@ -138,11 +140,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    given = config  # what DeepSpeed's engine.config holds
+    config, hybrid = split_hybrid(as_deepspeed_reads(config))
     engine = zeal.initialize(model, config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                              training_data=training_data, model_parameters=model_parameters, collate_fn=collate_fn,
                              dist_init_required=dist_init_required)
-    ds = (PipelineEngine if hasattr(engine, "train_batch") else DeepSpeedEngine)(engine)
-    ds.__dict__["_ds_config"] = _as_dict(config)  # what DeepSpeed's engine.config holds
+    if hybrid is not None:
+        ds: DeepSpeedEngine = DeepSpeedHybridEngine(engine, hybrid)
+    else:
+        ds = (PipelineEngine if hasattr(engine, "train_batch") else DeepSpeedEngine)(engine)
+    ds.__dict__["_ds_config"] = _as_dict(given)
     return ds, engine.optimizer, engine.dataloader, engine.lr_scheduler
 
 

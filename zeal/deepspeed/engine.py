@@ -10,7 +10,8 @@ whole model under ``module.`` keys (full values, gathered at ZeRO-3) and
 differ from zeal's (``wall_clock_breakdown()`` and ``loss_scale()`` read the config).
 
 A DeepSpeed name zeal does not implement raises :class:`~zeal.deepspeed.refusals.Refused`
-at the attribute, one line naming the API and what to use instead."""
+at the attribute, one line naming the API and what to use instead; any other name is looked up
+on the model, as DeepSpeed's engine does (``engine.gradient_checkpointing_enable()``)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeal.deepspeed.engine_parts import _DELEGATED, _MOVES, _REASONS, _ZERO_FIELDS, Monitor, ThroughputTimer
+from zeal.deepspeed.engine_parts import (
+    _DELEGATED,
+    _FIXED,
+    _MOVES,
+    _REASONS,
+    _ZERO_FIELDS,
+    Monitor,
+    ThroughputTimer,
+)
 from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
 
 _last: weakref.ref | None = None  # the zeal engine of the most recent initialize (deepspeed.utils.groups)
@@ -37,10 +46,14 @@ class DeepSpeedEngine(nn.Module):
         self.monitor = Monitor()
         self.tput_timer = ThroughputTimer(engine.train_batch_size())
         self._applied = False
+        if engine.config.zero_optimization.stage == 3:
+            from zeal.deepspeed.zero import mark_partitioned
+
+            mark_partitioned(engine.module)  # DeepSpeed's ds_* markers, which its scripts test
         global _last
         _last = weakref.ref(engine)
 
-    # -- attribute lookup: nn.Module's, then zeal's shared names, then refusals -----------------
+    # -- attribute lookup: nn.Module's, zeal's shared names, refusals, then the model's (as DeepSpeed) --
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -51,7 +64,17 @@ class DeepSpeedEngine(nn.Module):
         if name in _ZERO_FIELDS:
             field = _ZERO_FIELDS[name]
             return lambda: getattr(self.__dict__["engine"].config.zero_optimization, field)
-        raise _refusal(name)
+        if name in _FIXED:
+            return lambda: _FIXED[name]
+        error = _refusal(name)
+        if isinstance(error, _NotDeepSpeed):  # as DeepSpeed's: the model's own attributes pass through
+            module = self._modules.get("module")
+            if module is not None and not name.startswith("__"):
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+        raise error
 
     def __getattribute__(self, name: str) -> Any:
         if name in _MOVES:
@@ -368,6 +391,17 @@ class DeepSpeedEngine(nn.Module):
     def is_iterable_style_dataset(obj: Any) -> bool:
         return isinstance(obj, torch.utils.data.IterableDataset)
 
+    def is_first_weights_partition_group(self) -> bool:
+        """Whether the weights are partitioned (ZeRO-3), as DeepSpeed answers it."""
+        return self.zero_optimization_partition_weights()
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collector now (a safe point the script chose); the
+        number of objects collected."""
+        import gc
+
+        return gc.collect()
+
     def destroy(self) -> None:
         """Release the engine's collectives and buffers (it is unusable after)."""
         self.engine.close()
@@ -498,7 +532,7 @@ class DeepSpeedEngine(nn.Module):
         ``name`` (for ``bench/compat/ds_surface.py``)."""
         if name in _MOVES:
             return "refused"
-        if hasattr(cls, name) or name in _DELEGATED or name in _ZERO_FIELDS:
+        if hasattr(cls, name) or name in _DELEGATED or name in _ZERO_FIELDS or name in _FIXED:
             return "implemented"
         return "refused" if reason_by_prefix(name, _REASONS) is not None else "missing"
 
@@ -512,7 +546,7 @@ def _refusal(name: str) -> AttributeError:
 
 
 class _NotDeepSpeed(AttributeError):
-    """A name neither zeal nor DeepSpeed has: a plain AttributeError."""
+    """A name neither zeal, DeepSpeed nor the model has: a plain AttributeError."""
 
 
 class PipelineEngine(DeepSpeedEngine):

@@ -70,6 +70,37 @@ _REASONS = {
     "get_type": "read engine.optimizer.param_groups",
     "zero_legacy_stage1": "zeal has no legacy stage 1",
     "zero_elastic_checkpoint": "zeal's checkpoints load at any world size (no elastic flag)",
+    "checkpoint_*": "zeal's checkpoints are safetensors + JSON with a checksummed manifest; tag validation, "
+                    "writers and serialization are not settings",
+    "cpuadam_cores_perc": "zeal's offloaded optimizer runs on torch's CPU threads (torch.set_num_threads)",
+    "dump_state": "use engine.engine.memory_breakdown() / engine.engine.comm_stats()",
+    "get_optimizer_configuration": "read optimizer_name() / optimizer_params() / engine.optimizer",
+    "log_level": "zeal logs through the logging module: set deepspeed.utils.logger's level",
+    "swap_tensor_config": "zeal's NVMe offload is zero_optimization.offload_*.nvme_path with the aio section "
+                          "(aio_config())",
+    "is_sanity_checks_enabled": "DeepSpeed-internal ZeRO-3 checks; zeal has none to switch",
+    "zero_log_trace_cache_warnings": "DeepSpeed-internal; zeal's ZeRO-3 traces no module order",
+    "zero_multi_rank_bucket_allreduce": "DeepSpeed-internal; zeal buckets reductions itself",
+    "zero_allgather_sequential": "DeepSpeed-internal; zeal gathers one flat unit per collective",
+    "zero_compute_grad_norm": "zeal computes the gradient norm when clipping: engine.get_global_grad_norm()",
+    "zero_parameter_alignment": "zeal aligns its flat units itself",
+    "zero_model_persistence_threshold": "zeal bounds persistence per module (stage3_param_persistence_threshold)",
+    "zero_module_granularity_threshold": "zeal gathers whole flat units",
+    "zero_save_muon_momentum_buffer_in_memory": "zeal has no Muon",
+}
+
+# DeepSpeed accessors whose answer is fixed by how zeal works (their setting is accepted
+# only with this value, or zeal always behaves so): the facade returns it
+_FIXED = {
+    "zero_ignore_unused_parameters": True,  # unused parameters are always allowed
+    "zero_load_from_fp32_weights": True,  # zeal's checkpoints hold fp32 masters
+    "zero_quantized_nontrainable_weights": False,  # the setting is refused when True
+    "zero_round_robin_gradients": False,  # no round-robin copy order
+    "managed_gradient_accumulation": True,  # the engine accumulates (False is refused)
+    "use_node_local_storage": False,  # True is refused
+    "optimizer_legacy_fusion": False,
+    "gradient_predivide_factor": 1.0,  # gradients are averaged once, in fp32
+    "postscale_gradients": True,  # averaged after the reduction (prescale_gradients has no effect)
 }
 _MOVES = frozenset({"half", "float", "double", "bfloat16", "type", "cuda", "cpu", "xpu", "ipu", "mtia", "to_empty", "compile",
                     "share_memory"})
@@ -108,6 +139,7 @@ class ThroughputTimer:
     def __init__(self, batch_size: int) -> None:
         self.batch_size = batch_size
         self.global_step_count = 0
+        self.epoch_count = 0
         self.total_elapsed_time = 0.0
         self._last: float | None = None
 
@@ -117,6 +149,10 @@ class ThroughputTimer:
             self.total_elapsed_time += now - self._last
             self.global_step_count += 1
         self._last, self.batch_size = now, batch_size
+
+    def update_epoch_count(self) -> None:
+        """Count a finished epoch (scripts call it at each epoch's end)."""
+        self.epoch_count += 1
 
     def avg_samples_per_sec(self) -> float:
         """Mean samples per second per step so far (-inf before two steps, as DeepSpeed)."""

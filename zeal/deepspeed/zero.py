@@ -66,6 +66,7 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
         yield
         return
     engine = _owner(params)
+    marked = [p for p in params if hasattr(p, "ds_status")]
     if engine is None:
         if any(p.is_meta for p in params):
             raise RuntimeError("GatheredParameters: these parameters are on the meta device (built under "
@@ -76,7 +77,7 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
         return
     ids = {id(p) for p in params}
     full: dict[str, torch.Tensor] = {}
-    with engine.gathered_parameters():
+    with engine.gathered_parameters(), _available(marked):
         yield
         if modifier_rank is not None:
             world = engine.mesh.world
@@ -90,6 +91,34 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
         from zeal.zero.sharded_state import set_full_values
 
         set_full_values(engine, full)
+
+
+@contextlib.contextmanager
+def _available(params: list[torch.Tensor]) -> Iterator[None]:
+    """DeepSpeed's ``ds_status`` of marked parameters reads AVAILABLE inside the block."""
+    from zeal.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for p in params:
+        p.ds_status = ZeroParamStatus.AVAILABLE
+    try:
+        yield
+    finally:
+        for p in params:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def mark_partitioned(module: torch.nn.Module) -> None:
+    """Give a ZeRO-3 model's parameters DeepSpeed's markers, which DeepSpeed scripts test
+    before gathering (``hasattr(p, "ds_id") and p.ds_status == NOT_AVAILABLE``, as in
+    DeepSpeed-Chat's saving and EMA code): ``ds_id``, ``ds_numel``, ``ds_shape`` and
+    ``ds_status`` (NOT_AVAILABLE; AVAILABLE inside :func:`GatheredParameters`). Only the
+    ``deepspeed`` facade sets them, for scripts written against DeepSpeed; zeal itself
+    reads none of them (its ZeRO-3 state is in its own side table)."""
+    from zeal.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for i, p in enumerate(module.parameters()):
+        p.ds_id, p.ds_numel, p.ds_shape = i, p.numel(), p.shape
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _broadcast_plain(params: list[torch.Tensor], modifier_rank: int | None) -> None:

@@ -1,7 +1,9 @@
 """``deepspeed.utils``: ``logger``, ``log_dist``, ``RepeatingLoader``, ``groups``, ``OnDevice``.
 
-Names of ``deepspeed.utils`` that zeal does not have (the ``safe_get_full_*`` fragment
-accessors, ZeRO-3 leaf modules) fail at the attribute with one line saying what to use.
+``safe_get_full_*`` / ``safe_set_full_*`` and their ``local`` variants (one parameter's
+fp32 master, gradient or optimizer state) are in :mod:`.tensor_fragment`. Names of
+``deepspeed.utils`` that zeal does not have (DeepSpeed's fragment internals, ZeRO-3 leaf
+modules) fail at the attribute with one line saying what to use.
 """
 
 from __future__ import annotations
@@ -12,16 +14,32 @@ from zeal.deepspeed.refusals import Refused
 from zeal.deepspeed.utils import groups
 from zeal.deepspeed.utils.logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from zeal.deepspeed.utils.misc import OnDevice, RepeatingLoader
+from zeal.deepspeed.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+)
 
 __all__ = ["OnDevice", "RepeatingLoader", "groups", "log_dist", "log_dist_once", "logger",
+           "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state",
            "set_log_level_from_string"]
 
-_SHARDED = "zeal exposes full and sharded values through engine.sharded_state() (zeal.zero.sharded_state)"
+_SHARDED = ("use the safe_get_full_* / safe_set_full_* functions of deepspeed.utils, or engine.sharded_state() "
+            "(zeal.zero.sharded_state)")
 _REFUSED = {n: _SHARDED for n in (
-    "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param",
-    "safe_set_full_optimizer_state", "safe_set_full_grad", "safe_get_local_fp32_param", "safe_get_local_grad",
-    "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
-    "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "get_full_hp_param", "get_full_hp_grad",
+    "safe_update_full_grad_vectorized", "get_full_hp_param", "get_full_hp_grad",
     "set_full_hp_param", "set_full_hp_grad", "tensor_fragment", "map_to_flat_opt_states")}
 _REFUSED.update({n: "zeal's ZeRO-3 gathers per flat unit; it has no leaf-module marking" for n in (
     "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",

@@ -1,9 +1,11 @@
 """``deepspeed.runtime.zero.partition_parameters``: the names scripts import from it.
 
-zeal keeps ZeRO-3's per-parameter state in its own side table and hangs no ``ds_*``
-attributes on parameters, so a script's ``hasattr(p, "ds_id")`` test is False and its
-``p.ds_status == ZeroParamStatus.NOT_AVAILABLE`` filter selects nothing; gathering is
-done with :class:`GatheredParameters` or by the engine itself."""
+zeal keeps ZeRO-3's per-parameter state in its own side table. For scripts written
+against DeepSpeed, ``deepspeed.initialize`` at stage 3 gives the model's parameters
+DeepSpeed's markers (``ds_id``, ``ds_numel``, ``ds_shape``, ``ds_status``; see
+:func:`zeal.deepspeed.zero.mark_partitioned`), so their ``hasattr(p, "ds_id") and
+p.ds_status == ZeroParamStatus.NOT_AVAILABLE`` test selects the parameters to gather with
+:class:`GatheredParameters` (inside it they read AVAILABLE)."""
 
 from __future__ import annotations
 
