@@ -95,3 +95,25 @@ def test_inductor_compiled_blocks_train_as_eager():
     for rank_out in run_ranks(_compare, 2, "gpt", cases, "inductor", timeout=880):
         for (s, c), (compiled, eager) in zip(cases, rank_out):
             assert compiled[:-1] == pytest.approx(eager, rel=1e-5), (s, c)
+
+
+def test_deepspeed_engine_compile_and_flops_profiler_accessors():
+    """DeepSpeed's ``engine.compile(backend, compile_kwargs)`` and ``flops_profiler_*`` readers."""
+    import zeal.deepspeed as deepspeed
+
+    engine, *_ = deepspeed.initialize(model=_gpt(), config={
+        "train_micro_batch_size_per_gpu": MICRO, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "flops_profiler": {"enabled": True, "profile_step": 3, "top_modules": 2}})
+    assert not engine.is_compiled and engine.flops_profiler_profile_step() == 3
+    assert engine.flops_profiler_top_modules() == 2 and engine.flops_profiler_enabled()
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine.compile(backend="eager")
+    assert engine.is_compiled
+    x = torch.randint(0, 64, (MICRO, SEQ))
+    loss = engine(x, x)
+    engine.backward(loss)
+    engine.step()
+    assert torch.isfinite(loss) and counters["stats"]["unique_graphs"] >= 1  # the blocks ran compiled

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeal.config.schema import CompileConfig, FlopsProfilerConfig
 from zeal.deepspeed.engine_parts import (
     _DELEGATED,
     _FIXED,
@@ -66,6 +67,8 @@ class DeepSpeedEngine(nn.Module):
             return lambda: getattr(self.__dict__["engine"].config.zero_optimization, field)
         if name in _FIXED:
             return lambda: _FIXED[name]
+        if name.startswith("flops_profiler_") and name[15:] in FlopsProfilerConfig.model_fields:
+            return lambda: getattr(self.__dict__["engine"].config.flops_profiler, name[15:])
         error = _refusal(name)
         if isinstance(error, _NotDeepSpeed):  # as DeepSpeed's: the model's own attributes pass through
             module = self._modules.get("module")
@@ -80,6 +83,24 @@ class DeepSpeedEngine(nn.Module):
         if name in _MOVES:
             raise Refused(f"DeepSpeedEngine.{name}", _REASONS[name])
         return super().__getattribute__(name)
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile``: each block of the model compiled with ``torch.compile``
+        (regional, as the config's ``compile`` section does at ``initialize``)."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise Refused("DeepSpeedEngine.compile(schedule=/compiled_autograd_enabled=)",
+                          "DeepCompile passes and compiled autograd are not supported: call compile(backend, "
+                          "compile_kwargs)")
+        from zeal.train.compile import apply_compile
+
+        apply_compile(self.module, CompileConfig(enabled=True, backend=backend, kwargs=dict(compile_kwargs or {})))
+        self.__dict__["_compiled"] = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran (or the config's ``compile`` section was enabled)."""
+        return self.__dict__.get("_compiled", False) or self.engine.config.compile.enabled
 
     # -- the loop ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

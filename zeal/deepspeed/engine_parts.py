@@ -17,11 +17,8 @@ _DELEGATED = frozenset({
 
 _REASONS = {
     "autotuning_*": "zeal has no autotuner; `zeal estimate` picks a ZeRO stage for a memory budget",
-    "flops_profiler_*": "zeal has no flops profiler; use torch.profiler or engine.engine.wall_clock_breakdown()",
-    "compile": "call torch.compile on the model before deepspeed.initialize",
     "compile_*": "call torch.compile on the model before deepspeed.initialize",
     "get_compile_time": "zeal does not compile the engine",
-    "is_compiled": "zeal does not compile the engine",
     "register_compile_pass": "zeal has no DeepCompile",
     "is_deepcompile_*": "zeal has no DeepCompile",
     "get_deepcompile_backend": "zeal has no DeepCompile",
@@ -102,7 +99,7 @@ _FIXED = {
     "gradient_predivide_factor": 1.0,  # gradients are averaged once, in fp32
     "postscale_gradients": True,  # averaged after the reduction (prescale_gradients has no effect)
 }
-_MOVES = frozenset({"half", "float", "double", "bfloat16", "type", "cuda", "cpu", "xpu", "ipu", "mtia", "to_empty", "compile",
+_MOVES = frozenset({"half", "float", "double", "bfloat16", "type", "cuda", "cpu", "xpu", "ipu", "mtia", "to_empty",
                     "share_memory"})
 
 # DeepSpeed's ZeRO accessors that read one field of zeal's zero_optimization section
