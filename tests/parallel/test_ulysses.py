@@ -42,11 +42,11 @@ def build(kind: str, seq: int) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=VOCAB, n_positions=seq, n_embd=HIDDEN, n_layer=LAYERS, n_head=4))
 
 
-def batches(seq: int, pad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def batches(seq: int, pad: bool, steps: int = STEPS) -> tuple[torch.Tensor, torch.Tensor]:
     """ids[step] and labels[step] (MICRO, seq); with ``pad`` the second sequence ends in 5
     padding tokens and a few labels are -100."""
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, VOCAB, (STEPS, MICRO, seq), generator=g)
+    ids = torch.randint(1, VOCAB, (steps, MICRO, seq), generator=g)
     labels = ids.clone()
     if pad:
         ids[:, 1, -5:] = 0
@@ -59,18 +59,20 @@ def loss_of(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def reference(kind: str, seq: int, pad: bool) -> tuple[list[float], list[dict]]:
+def reference(kind: str, seq: int, pad: bool, steps: int = STEPS, final: dict | None = None) -> tuple[list, list]:
     model = build(kind, seq)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    ids, labels = batches(seq, pad)
+    ids, labels = batches(seq, pad, steps)
     losses, grads = [], []
-    for s in range(STEPS):
+    for s in range(steps):
         loss = loss_of(model(input_ids=ids[s], labels=labels[s]))
         loss.backward()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if final is not None:
+        final.update(model.state_dict())
     return losses, grads
 
 
@@ -176,3 +178,52 @@ def test_tp2_x_sp2_on_4_ranks():
         for r in range(4):
             check(out[r][i], ref, f"{kind} tp2 sp2 rank {r}")
     assert out[0][0]["sizes"] == {**out[0][0]["sizes"], "tp": 2, "sp": 2, "dp": 2}
+
+
+def _resume(rank: int, world: int, save_dir: str) -> dict:
+    """Step 0 at SP 2 (each rank passing its own chunk with global position_ids and shifted
+    labels, as DeepSpeed's UlyssesSPDataLoaderAdapter yields them), saved; step 1 at SP 1
+    (plain data parallelism, one sequence per rank), saved; step 2 at SP 2 again."""
+    import zeal
+
+    ids, labels = batches(16, False, 3)
+    losses = []
+    eng = zeal.initialize(build("llama", 16), config(2, 1))
+    shift = torch.nn.functional.pad(labels[0][:, 1:], (0, 1), value=-100)
+    cut = slice(8 * rank, 8 * rank + 8)
+    pos = torch.arange(16)[cut].expand(MICRO, 8)
+    loss = eng(input_ids=ids[0][:, cut], position_ids=pos, shift_labels=shift[:, cut])
+    eng.backward(loss)
+    eng.step()
+    losses.append(loss.item())
+    eng.save_checkpoint(save_dir, tag="sp2")
+    eng.close()
+    eng = zeal.initialize(build("llama", 16), {**config(1, 1), "train_micro_batch_size_per_gpu": 1})
+    eng.load_checkpoint(save_dir, tag="sp2")
+    loss = eng(input_ids=ids[1][rank:rank + 1], labels=labels[1][rank:rank + 1])
+    eng.backward(loss)
+    eng.step()
+    losses.append(eng.mesh.dp.all_reduce_scalar(loss.item()) / 2)  # equal token counts: the batch mean
+    eng.save_checkpoint(save_dir, tag="sp1")
+    eng.close()
+    eng = zeal.initialize(build("llama", 16), config(2, 3))
+    eng.load_checkpoint(save_dir, tag="sp1")
+    loss = eng(input_ids=ids[2], labels=labels[2])
+    eng.backward(loss)
+    eng.step()
+    losses.append(loss.item())
+    state = eng.module_state_dict()
+    eng.close()
+    return {"losses": losses, "state": state}
+
+
+def test_checkpoint_is_layout_free_sp2_to_sp1_and_back(tmp_path):
+    """An SP 2 checkpoint resumes at SP 1 and that one at SP 2 (ZeRO 1 and 3): the three
+    steps equal one process's, losses and final parameters."""
+    final: dict = {}
+    ref_losses, _ = reference("llama", 16, False, 3, final)
+    out = run_ranks(_resume, 2, str(tmp_path), timeout=150)
+    for r in range(2):
+        assert out[r]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for name, want in final.items():
+            assert torch.allclose(torch.as_tensor(out[r]["state"][name]), want, rtol=1e-5, atol=1e-6), name
