@@ -227,3 +227,15 @@ def test_checkpoint_is_layout_free_sp2_to_sp1_and_back(tmp_path):
         assert out[r]["losses"] == pytest.approx(ref_losses, rel=1e-5)
         for name, want in final.items():
             assert torch.allclose(torch.as_tensor(out[r]["state"][name]), want, rtol=1e-5, atol=1e-6), name
+
+
+def test_zeal_train_sp_flag_reaches_the_config_and_is_checked(capsys):
+    from zeal.cli.main import build_parser, main
+    from zeal.cli.train import build_spec
+
+    parser, _ = build_parser("train")
+    args, extra = parser.parse_known_args(["train", "--nproc", "4", "--sp", "2", "--seq-len", "64"])
+    spec = build_spec(args, extra)
+    assert spec.engine["sequence_parallel_size"] == 2 and spec.data.seq_len == 64
+    assert main(["train", "--nproc", "2", "--sp", "3"]) == 2
+    assert "--sp 3 does not divide the 2 processes" in capsys.readouterr().err

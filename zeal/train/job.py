@@ -185,7 +185,7 @@ class _Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro * self.accum * self.engine.world_size * self.spec.data.seq_len
+        return self.micro * self.accum * (self.engine.world_size // self.engine.mesh.sp_size) * self.spec.data.seq_len
 
     def say(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
