@@ -32,6 +32,13 @@ def build(kind: str, seq: int) -> torch.nn.Module:
         return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
                                             num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=seq, attn_implementation="sdpa"))
+    if kind in ("qwen2", "mistral"):  # Hugging Face Qwen2 (q/k/v biases) and Mistral, GQA
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.for_model(kind, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                                   num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=seq, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(cfg)
     if kind == "llama":  # zeal's Llama, GQA with 2 kv heads: fewer than S = 4
         from zeal.models.llama import Llama, LlamaConfig
 
@@ -239,3 +246,13 @@ def test_zeal_train_sp_flag_reaches_the_config_and_is_checked(capsys):
     assert spec.engine["sequence_parallel_size"] == 2 and spec.data.seq_len == 64
     assert main(["train", "--nproc", "2", "--sp", "3"]) == 2
     assert "--sp 3 does not divide the 2 processes" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sp2_hf_qwen2_and_mistral():
+    cases = [("qwen2", 16, True, config(2, 3)), ("mistral", 16, False, config(2, 1))]
+    out = run_ranks(_ranks, 2, cases, timeout=170)
+    for i, (kind, seq, pad, _) in enumerate(cases):
+        ref = reference(kind, seq, pad)
+        for r in range(2):
+            check(out[r][i], ref, f"{kind} sp2 rank {r}")

@@ -144,10 +144,6 @@ def register_hf_attention(model: Any, comm: Comm) -> str:
 
     from transformers import AttentionInterface
 
-    window = getattr(model.config, "sliding_window", None)
-    if window and getattr(model.config, "use_sliding_window", True):
-        raise ValueError(f"sequence parallelism runs full causal attention; this model's sliding_window {window} "
-                         "would be ignored (set config.sliding_window = None to train without it)")
     name = f"{HF_NAME}_" + "_".join(map(str, comm.ranks))
     AttentionInterface.register(name, functools.partial(_hf_attention, comm))
     for sub in model.modules():  # the model's config and those of composite models' parts
@@ -164,6 +160,10 @@ def _hf_attention(comm: Comm, module: Any, query: torch.Tensor, key: torch.Tenso
     # the global one, so causality is SDPA's over the gathered sequence
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     q, k, v = ulysses_qkv(q, k, v, comm)
+    window = kwargs.get("sliding_window")
+    if window and q.shape[1] > window:
+        raise ValueError(f"sequence parallelism runs full causal attention: {q.shape[1]} tokens exceed this "
+                         f"model's sliding_window {window}")
     rep = q.shape[-2] // k.shape[-2]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=-2), v.repeat_interleave(rep, dim=-2)
