@@ -56,7 +56,7 @@ def test_no_effect_keys_are_said_once(caplog):
     ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}}, "1-bit Adam"),
     ({"optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3}}}, "1-bit LAMB"),
     ({"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}}}, "0/1 Adam"),
-    ({"sequence_parallel_size": 4}, "sequence parallelism"),
+    ({"sequence_parallel": {"size": 2, "mode": "ring"}}, "sequence parallelism 'ring'"),
     ({"communication_data_type": "fp16"}, "communication dtype"),
     ({"gradient_allreduce_op": "sum"}, "summed gradients"),
     ({"compile": {"deepcompile": True}}, "DeepCompile"),
@@ -153,3 +153,14 @@ def test_zeal_train_resolves_auto_from_its_flags_and_saves_it(tmp_path):
 def test_autotp_size_is_honoured():
     assert load_config({"tensor_parallel": {"autotp_size": 2}}).tensor_parallel.autotp_size == 2
     assert load_config({}).tensor_parallel.autotp_size == 1
+
+
+def test_sequence_parallel_size_and_llamafactory_section_are_read():
+    assert load_config({"sequence_parallel_size": 4}).sequence_parallel_size == 4
+    sec = {"enabled": True, "size": 2, "mode": "ulysses", "ulysses": {"degree": 2}}
+    assert load_config({"sequence_parallel": sec}).sequence_parallel_size == 2
+    assert load_config({"sequence_parallel": {"enabled": False, "size": 8}}).sequence_parallel_size == 1
+    with pytest.raises(ConfigError, match="disagrees"):
+        load_config({"sequence_parallel": {"size": 2}, "sequence_parallel_size": 4})
+    with pytest.raises(ConfigError, match="pipeline_parallel"):
+        load_config({"sequence_parallel_size": 2, "pipeline_parallel": {"size": 2}})

@@ -181,3 +181,14 @@ def test_every_collective_of_a_step_is_counted():
             assert sent > 0, (zc, calls)
             assert counted == sent, (zc, counted, sent, calls)
             assert set(by_dim) == {"dp"}, by_dim  # ZeRO's traffic runs over the data-parallel Comm
+
+
+def test_layout_sequence_parallel_groups_are_consecutive_inside_dp():
+    # DeepSpeed's sequence_data_parallel arrangement: sp groups are consecutive members of
+    # the dp group (ranks tp apart), ZeRO's dp group spans data x sp
+    g = layout(8, tp=2, sp=2)
+    assert g["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert g["sp"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout(4, sp=4)["sp"] == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="sequence_parallel_size 3 does not divide the data-parallel size 4"):
+        layout(8, tp=2, sp=3)

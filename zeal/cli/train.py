@@ -64,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--lora", nargs="?", const="", metavar="K=V,...",
                    help="train LoRA adapters on a frozen base (the lora section; e.g. r=16,alpha=32,"
                    "target_modules=q_proj,v_proj,quantize_base=int4; adapter=FOLDER starts from a PEFT adapter)")
+    p.add_argument("--seq-len", type=int, help="tokens per training sequence (data.seq_len; default 128)")
+    p.add_argument("--sp", type=int, help="sequence parallel size: each sequence sharded over this many ranks "
+                                          "(DeepSpeed-Ulysses; the config's sequence_parallel_size)")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
     p.set_defaults(_allow_extra=True)
     return p
@@ -101,6 +104,8 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         ("engine", "train_micro_batch_size_per_gpu"): args.micro_batch,
         ("engine", "gradient_accumulation_steps"): args.grad_accum,
         ("engine", "seed"): args.seed,
+        ("data", "seq_len"): getattr(args, "seq_len", None),
+        ("engine", "sequence_parallel_size"): getattr(args, "sp", None),
     }
     for path, value in named.items():
         if value is not None:
@@ -152,8 +157,10 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     spec = resolve_precision(spec)
     cfg = load_config(spec.engine)  # raises ConfigError naming the key
     world = int(os.environ.get("WORLD_SIZE", spec.job.nproc))
+    if world % cfg.sequence_parallel_size:
+        raise UsageError(f"--sp {cfg.sequence_parallel_size} does not divide the {world} processes")
     try:
-        cfg.resolve_batch(world)
+        cfg.resolve_batch(world // cfg.sequence_parallel_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return spec

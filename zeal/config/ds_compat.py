@@ -40,8 +40,6 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
     "moe": ("mixture of experts", ()),
     "expert_parallel": ("expert parallelism (AutoEP)", ()),
     "fp8": ("fp8 training", ()),
-    "sequence_parallel": ("sequence parallelism", ()),
-    "sequence_parallel_size": ("sequence parallelism (Ulysses)", (1,)),
     "communication_data_type": ("a separate communication dtype", (None, "fp32")),
     "gradient_allreduce_op": ("summed gradients (gradient_allreduce_op 'sum')", ("mean",)),
     "managed_gradient_accumulation": ("unmanaged gradient accumulation", (True,)),
@@ -74,7 +72,7 @@ NO_EFFECT: dict[str, str] = {
     "comms_config": "not a DeepSpeed key either", "timers": "see engine.wall_clock_breakdown()",
     "train_micro_batch_size_per_gpu_auto": "not a DeepSpeed key either",
     "use_data_before_expert_parallelism_": "zeal's MoE layers route each rank's own tokens (zeal.moe)",
-    "seq_parallel_communication_data_type": "zeal has no sequence parallelism",
+    "seq_parallel_communication_data_type": "the Ulysses all-to-alls move the compute dtype",
     **{f"compile.{k}": "a DeepCompile option (DeepCompile itself is refused)" for k in (
         "autoep_non_moe", "free_activation", "free_activation_threshold", "offload_activation",
         "offload_activation_pin_memory", "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log")},
@@ -181,6 +179,7 @@ def translate(raw: dict[str, Any], auto: AutoValues | None = None) -> tuple[dict
         del cfg[k]  # "_comment" and friends: DeepSpeed ignores them
     _legacy_forms(cfg, notes)
     _aliases(cfg, notes)
+    _sequence_parallel_section(cfg, notes)
     resolve_auto(cfg, auto or AutoValues(), notes)
     _optimizer(cfg)  # an unsupported optimizer is named before its parameters
     translate_compression(cfg, notes)
@@ -216,6 +215,31 @@ def _aliases(cfg: dict[str, Any], notes: list[str]) -> None:
             else:
                 tnode.setdefault(tleaf, value)
             notes.append(f"'{old}' is DeepSpeed's other spelling of '{new}'")
+
+
+def _sequence_parallel_section(cfg: dict[str, Any], notes: list[str]) -> None:
+    """LLaMA-Factory's ``"sequence_parallel": {"enabled", "size", "mode": "ulysses",
+    "ulysses": {"degree"}}`` section (beside DeepSpeed's ``sequence_parallel_size``) →
+    ``sequence_parallel_size``; another mode, or its tiling, is refused by name."""
+    sec = cfg.get("sequence_parallel")
+    if not isinstance(sec, dict):
+        return
+    del cfg["sequence_parallel"]
+    if sec.get("enabled") is False:
+        return
+    if sec.get("mode", "ulysses") != "ulysses":
+        raise ValueError(f"config key 'sequence_parallel.mode': zeal does not support sequence parallelism "
+                         f"{sec['mode']!r} yet (only 'ulysses')")
+    if isinstance(sec.get("tiling"), dict) and sec["tiling"].get("enabled"):
+        raise ValueError("config key 'sequence_parallel.tiling': zeal does not support this section's "
+                         "sequence parallelism tiling yet (its ALST tiling has keys of its own)")
+    ulysses = sec.get("ulysses") if isinstance(sec.get("ulysses"), dict) else {}
+    size = sec.get("size", ulysses.get("degree", 1))
+    if cfg.setdefault("sequence_parallel_size", size) != size:
+        raise ValueError(f"config key 'sequence_parallel.size' {size} disagrees with "
+                         f"sequence_parallel_size {cfg['sequence_parallel_size']}")
+    notes.append("'sequence_parallel' (LLaMA-Factory's section) is read as sequence_parallel_size "
+                 f"{size}")
 
 
 def _legacy_forms(cfg: dict[str, Any], notes: list[str]) -> None:

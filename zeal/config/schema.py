@@ -342,6 +342,10 @@ class Config(Section):
         None, gt=0, allow_inf_nan=False,
         description="Seconds a collective may wait before it fails and leaves hang-forensics records "
                     "(ZEAL_COMM_TIMEOUT_S overrides; default 600).")
+    sequence_parallel_size: int = Field(
+        1, ge=1, description="DeepSpeed-Ulysses sequence parallelism: each sequence sharded over this many ranks "
+                             "of the data-parallel group (their all-to-all attention sees every token); "
+                             "the batch arithmetic counts world / (tp x pp x this) data-parallel ranks.")
     pipeline_parallel: PipelineConfig = Field(default_factory=PipelineConfig,
                                               description="Pipeline parallelism: stages, micro-batches, schedule.")
     data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig,
@@ -373,6 +377,9 @@ class Config(Section):
         if self.pipeline_parallel.size > 1 and z.stage == 3:
             raise ValueError("pipeline_parallel.size > 1 with zero_optimization.stage 3 is not supported "
                              "(as in DeepSpeed): use stage 0, 1 or 2")
+        if self.sequence_parallel_size > 1 and self.pipeline_parallel.size > 1:
+            raise ValueError("sequence_parallel_size > 1 with pipeline_parallel.size > 1 is not supported: "
+                             "use one of them (sequence parallelism composes with ZeRO and tensor parallelism)")
         if z.zero_hpz_partition_size > 1 and z.stage != 3:
             raise ValueError(f"zero_optimization.zero_hpz_partition_size needs zero_optimization.stage 3, got {z.stage}")
         for key, sec in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):

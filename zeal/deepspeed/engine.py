@@ -210,8 +210,21 @@ class DeepSpeedEngine(nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        """Data-parallel ranks (those that hold a replica or a ZeRO shard of it)."""
+        """Data-parallel ranks reading different samples (ZeRO shards over them × the sp ranks)."""
+        return self.engine.mesh.data_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """Data × sequence parallel ranks: the group ZeRO shards over."""
         return self.engine.mesh.dp_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.engine.mesh.sp_size
+
+    def get_sequence_parallel_group(self) -> Any:
+        """The process group of this rank's sequence-parallel (Ulysses) ranks; None at size 1."""
+        return self.engine.mesh.sp.group if self.engine.mesh.sp.active else None
 
     @property
     def mp_world_size(self) -> int:
@@ -228,7 +241,7 @@ class DeepSpeedEngine(nn.Module):
         return self.engine.mesh.pp_rank
 
     def get_data_parallel_rank(self) -> int:
-        return self.engine.mesh.dp_rank
+        return self.engine.mesh.data_rank
 
     def get_model_parallel_rank(self) -> int:
         return self.engine.mesh.tp_rank

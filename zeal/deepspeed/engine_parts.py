@@ -47,7 +47,6 @@ _REASONS = {
     "random_ltd_initialize": "random-LTD starts from the config (data_efficiency.data_routing.random_ltd)",
     "print_forward_breakdown": "use engine.engine.wall_clock_breakdown()",
     "get_wall_clock_timers": "use engine.engine.wall_clock_breakdown()",
-    "get_sequence_parallel_group": "zeal has no sequence parallelism",
     "clip_fp32_gradients": "clipping is configured (gradient_clipping) and done in engine.step()",
     "scale": "engine.backward(loss) scales the loss itself",
     "get_data_types": "zeal's data types come from the fp16 / bf16 sections",

@@ -12,6 +12,13 @@ Rank layout (Megatron's order, tensor-parallel ranks adjacent so they share a no
   consecutive members and an ``edp`` (expert-data-parallel) group takes every
   ``ep``-th member. Non-expert gradients are reduced over ``dp``, expert gradients over
   ``edp``.
+* Sequence parallelism (DeepSpeed-Ulysses) also splits the data-parallel group, as
+  DeepSpeed's ``sequence_data_parallel`` arrangement does: within a dp group (in dp order)
+  an ``sp`` group is ``sp`` consecutive members (with tp, ranks ``tp`` apart: Megatron's
+  tp-cp-dp order). The dp group stays the group parameters are replicated over (ZeRO
+  shards over dp = data × sp, gradients are averaged over it); the members of an sp group
+  read the same samples, so the data-parallel size of the batch arithmetic and the
+  samplers is ``data_size = dp / sp``.
 * The ZeRO++ node dimension lives inside the dp group: ``intra`` is the dp members on
   this rank's node, ``inter`` the dp members holding the same position on every node,
   ``hpz`` blocks of ``hpz`` consecutive dp members (secondary partitions).
@@ -32,15 +39,15 @@ import torch.distributed as dist
 from zeal.dist.comm import Comm, CommStats
 from zeal.dist.context import DistContext
 
-DIMS = ("dp", "tp", "pp", "ep", "edp")
+DIMS = ("dp", "tp", "pp", "ep", "edp", "sp")
 NODE_DIMS = ("intra", "inter", "hpz")
 
 
-def layout(world: int, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, list[list[int]]]:
+def layout(world: int, tp: int = 1, pp: int = 1, ep: int = 1, sp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every dimension as lists of global ranks (pure; no process group).
 
     Raises ValueError naming the sizes when they do not tile ``world``."""
-    for name, n in (("tp", tp), ("pp", pp), ("ep", ep)):
+    for name, n in (("tp", tp), ("pp", pp), ("ep", ep), ("sp", sp)):
         if n < 1:
             raise ValueError(f"mesh size {name}={n} must be >= 1")
     if world % (tp * pp):
@@ -60,6 +67,10 @@ def layout(world: int, tp: int = 1, pp: int = 1, ep: int = 1) -> dict[str, list[
     }
     groups["ep"] = [g[i:i + ep] for g in groups["dp"] for i in range(0, dp, ep)]
     groups["edp"] = [g[i::ep] for g in groups["dp"] for i in range(ep)]
+    if dp % sp:
+        raise ValueError(f"sequence_parallel_size {sp} does not divide the data-parallel size {dp} "
+                         f"(world {world} / (tp {tp} x pp {pp}))")
+    groups["sp"] = [g[i:i + sp] for g in groups["dp"] for i in range(0, dp, sp)]
     return groups
 
 
@@ -85,7 +96,7 @@ def node_layout(dp_groups: list[list[int]], local_world_size: int, hpz: int = 1)
 class Mesh:
     """This process's place in the mesh and an accounted :class:`Comm` per dimension.
 
-    ``mesh.dp`` / ``mesh.tp`` / ``mesh.pp`` / ``mesh.ep`` / ``mesh.edp`` / ``mesh.world``
+    ``mesh.dp`` / ``mesh.tp`` / ``mesh.pp`` / ``mesh.ep`` / ``mesh.edp`` / ``mesh.sp`` / ``mesh.world``
     are Comms (inactive at size 1, so the same code runs alone); ``*_rank`` / ``*_size``
     are this rank's coordinates. Built by :func:`build_mesh`."""
 
@@ -119,6 +130,10 @@ class Mesh:
     @property
     def edp(self) -> Comm:
         return self.comms["edp"]
+
+    @property
+    def sp(self) -> Comm:
+        return self.comms["sp"]
 
     def comm(self, dim: str) -> Comm:
         """The Comm of ``dim`` (one of DIMS, "world", or a ZeRO++ node dimension when built)."""
@@ -181,6 +196,30 @@ class Mesh:
         return self.sizes["edp"]
 
     @property
+    def sp_rank(self) -> int:
+        return self.coords.get("sp", 0)
+
+    @property
+    def sp_size(self) -> int:
+        return self.sizes.get("sp", 1)
+
+    @property
+    def data_size(self) -> int:
+        """Ranks reading different samples: the dp size over the sequence-parallel size
+        (what the batch arithmetic and the samplers count; DeepSpeed's ``dp_world_size``)."""
+        return self.sizes["dp"] // self.sp_size
+
+    @property
+    def data(self) -> Comm:
+        """The Comm of the ranks reading different samples (the dp Comm at sp 1)."""
+        return self.comms.get("data") or self.comms["dp"]
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's position among the ranks reading different samples."""
+        return self.coords["dp"] // self.sp_size
+
+    @property
     def hpz_index(self) -> int:
         """This rank's position inside its hpZ group (0 without ZeRO++ groups)."""
         hpz = self.comms.get("hpz")
@@ -189,12 +228,13 @@ class Mesh:
     def describe(self) -> str:
         """One line: the sizes of every dimension and this rank's coordinates."""
         dims = " x ".join(f"{d}={self.sizes[d]}" for d in ("pp", "dp", "tp") if self.sizes[d] > 1) or "single"
-        return f"mesh {dims} (ep={self.ep_size}); rank {self.rank}: " + \
+        sp = f", sp={self.sp_size}" if self.sp_size > 1 else ""
+        return f"mesh {dims} (ep={self.ep_size}{sp}); rank {self.rank}: " + \
             ", ".join(f"{d}_rank={self.coords[d]}" for d in DIMS)
 
 
 def build_mesh(ctx: DistContext | None = None, *, dp: int | None = None, tp: int = 1, pp: int = 1, ep: int = 1,
-               hpz: int | None = None) -> Mesh:
+               hpz: int | None = None, sp: int = 1) -> Mesh:
     """Create every group of the layout on this rank (collectively: all ranks call this
     with the same sizes). ``ctx`` defaults to joining torchrun's job
     (:func:`~zeal.dist.context.init_distributed`); ``dp`` defaults to what the other sizes
@@ -206,7 +246,7 @@ def build_mesh(ctx: DistContext | None = None, *, dp: int | None = None, tp: int
         ctx = init_distributed()
     if dp is not None and dp * tp * pp != ctx.world_size:
         raise ValueError(f"mesh dp {dp} x tp {tp} x pp {pp} = {dp * tp * pp} != world size {ctx.world_size}")
-    groups = layout(ctx.world_size, tp, pp, ep)
+    groups = layout(ctx.world_size, tp, pp, ep, sp)
     if hpz is not None:
         groups.update(node_layout(groups["dp"], ctx.local_world_size, hpz))
     stats = CommStats()
@@ -216,6 +256,11 @@ def build_mesh(ctx: DistContext | None = None, *, dp: int | None = None, tp: int
         ranks, group = _create_groups(ctx, groups[dim])
         coords[dim] = ranks.index(ctx.rank)
         comms[dim] = Comm(ctx, group=group, ranks=ranks, stats=stats, name=dim)
+    if sp > 1:  # the ranks reading different samples (DeepSpeed's data-parallel group under sp)
+        ranks, group = _create_groups(ctx, [g[i::sp] for g in groups["dp"] for i in range(sp)])
+        comms["data"] = Comm(ctx, group=group, ranks=ranks, stats=stats, name="data")
+    else:
+        comms["data"] = comms["dp"]
     sizes = {d: len(comms[d].ranks) for d in DIMS}
     return Mesh(ctx, sizes, coords, comms, stats)
 

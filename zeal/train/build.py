@@ -18,6 +18,8 @@ returns the parts it adds. ``initialize`` only calls them, in this order:
    layer keeps this rank's experts and takes ``mesh.ep`` (the mesh's ep size is the model's
    MoE ``ep_size``); ``apply_tiling``: dense MLPs wrapped in TiledMLP, the tiled loss on
    (:mod:`zeal.train.tiling`) — each changes the modules before ZeRO flattens their parameters;
+   ``apply_sequence_parallel``: attention through Ulysses all-to-alls over ``mesh.sp``
+   (:mod:`zeal.parallel.sequence`), the engine then shards each batch over the sp group;
 6. ``apply_zero(mesh.dp)``: parameters into flat units partitioned over the
    data-parallel Comm (MoE's expert parameters over ``mesh.edp``, handed in as a
    CommGroup), gradient reduction and (stage 3) the gather coordinator — it returns step
@@ -51,6 +53,7 @@ from zeal.moe.layout import set_global_layout
 from zeal.moe.zero import expert_comm_group
 from zeal.parallel.norm import TPGradNorm
 from zeal.parallel.rng import apply_rng_regions
+from zeal.parallel.sequence import apply_sequence_parallel
 from zeal.parallel.tensor import apply_tensor_parallel, init_full_then_slice
 from zeal.parallel.vocab import apply_vocab_parallel
 from zeal.pipe.apply import apply_pipeline
@@ -105,7 +108,7 @@ def initialize(
     cfg = load_config(config if config is not None else config_params, _auto_values(model, optimizer))
     mesh = _mesh(cfg, model_ep_size(model))
     try:
-        _, micro, accum = cfg.resolve_batch(mesh.dp_size)
+        _, micro, accum = cfg.resolve_batch(mesh.data_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     lora = lora_step(model, cfg)  # adapters on the plain model, the base frozen (zeal.lora), before any split
@@ -129,6 +132,7 @@ def initialize(
         apply_rng_regions(model, tp, cfg.seed, pp_rank=mesh.pp_rank)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
+    sp = _sequence_parallel(model, mesh)  # after tp: Ulysses splits each tp rank's heads
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
     tiled = apply_tiling(model, cfg.tiling)  # ALST: dense MLPs over sequence tiles, the tiled logits loss
     groups = [[p for p in g if id(p) not in dropped] for g in groups]
@@ -149,21 +153,21 @@ def initialize(
     if training_data is not None:
         # DeepSpeed's batches: DistributedSampler's order with its seed (0) unless the config sets one
         sampler = _curriculum_sampler(cfg, len(training_data), micro, mesh, accum) or ResumableDistributedSampler(
-            len(training_data), mesh.dp_size, mesh.dp_rank, seed=cfg.seed if "seed" in cfg.model_fields_set else 0,
+            len(training_data), mesh.data_size, mesh.data_rank, seed=cfg.seed if "seed" in cfg.model_fields_set else 0,
             batch_size=micro, drop_last=cfg.dataloader_drop_last)
         loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
                                              drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn)
         loader.data_sampler = sampler  # DeepSpeed's name (scripts call data_sampler.set_epoch)
     mesh.stats.step.clear()
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
-                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp, zero.comm_groups)
+                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp, zero.comm_groups, sp)
     engine = TrainEngine(parts) if stage is None else PipelineEngine(parts, stage, cfg.pipeline_parallel.schedule)
     for hook in zero.hooks:
         engine.register_step_hook(hook)
     engine.lora = lora  # the adapters (None without): engine.save_adapter, zeal.lora.engine.disable_adapters
     engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
     if token_drop is not None:
-        token_drop.dp_size = mesh.dp_size  # consumed layer-tokens count every data-parallel rank's
+        token_drop.dp_size = mesh.data_size  # consumed layer-tokens count every data-parallel rank's
         engine.register_step_hook(token_drop)
     for hook in compression.step_hooks(zopt, mesh.dp):
         engine.register_step_hook(hook)
@@ -176,7 +180,7 @@ def initialize(
 
 def _curriculum_sampler(cfg: Config, n: int, micro: int, mesh: Mesh, accum: int) -> Any:
     try:
-        return sampler_from_config(cfg, n, micro, mesh.dp_size, mesh.dp_rank, accum)
+        return sampler_from_config(cfg, n, micro, mesh.data_size, mesh.data_rank, accum)
     except (ValueError, OSError) as e:
         raise ConfigError(f"data_efficiency.data_sampling.curriculum_learning: {e}") from None
 
@@ -201,7 +205,8 @@ def _mesh(cfg: Config, ep: int = 1) -> Mesh:
     zeropp = zc.zero_quantized_weights or zc.zero_quantized_gradients or zc.zero_hpz_partition_size > 1
     try:
         mesh = build_mesh(ctx, tp=max(cfg.tensor_parallel.autotp_size, 1), pp=cfg.pipeline_parallel.size, ep=ep,
-                          hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None)
+                          hpz=zc.zero_hpz_partition_size if zeropp and ctx.world_size > 1 else None,
+                          sp=cfg.sequence_parallel_size)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if resolve_stage(zc.stage).partitions_params or "nvme" in (zc.offload_param.device, zc.offload_optimizer.device):
@@ -210,6 +215,17 @@ def _mesh(cfg: Config, ep: int = 1) -> Mesh:
         # stay resident as freed-but-kept heap: every block of 1 MB or more gets its own mmap.
         set_malloc_thresholds(1 << 20)
     return mesh
+
+
+def _sequence_parallel(model: nn.Module, mesh: Mesh) -> Any:
+    cfg = getattr(model, "config", None)
+    if mesh.sp_size > 1 and (mesh.ep_size > 1 or getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)):
+        raise ConfigError("sequence_parallel_size > 1 with a mixture-of-experts model is not supported "
+                          "(its load-balancing loss would be per chunk): use sequence_parallel_size 1")
+    try:
+        return apply_sequence_parallel(model, mesh)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _instantiate(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:

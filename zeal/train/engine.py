@@ -65,6 +65,7 @@ class EngineParts:
     grad_accum: int
     tensor_parallel: Any = None  # zeal.parallel.TensorParallel, or None
     comm_groups: list = field(default_factory=list)  # zeal.zero.groups.CommGroup: parameters not over mesh.dp
+    sequence_parallel: Any = None  # zeal.parallel.sequence.SequenceParallel (runs the model at sp > 1), or None
 
 
 class TrainEngine:
@@ -136,7 +137,7 @@ class TrainEngine:
 
     def train_batch_size(self) -> int:
         """Samples per optimizer step over all data-parallel ranks."""
-        return self._p.micro_batch * self._p.grad_accum * self.mesh.dp_size
+        return self._p.micro_batch * self._p.grad_accum * self.mesh.data_size
 
     @property
     def random_ltd_scheduler(self) -> Any:
@@ -195,12 +196,13 @@ class TrainEngine:
         a dict → ``model(**batch)``, a tuple or list → ``model(*batch)``."""
         t0 = time.perf_counter()
         args, kwargs = self._to_device(args), self._to_device(kwargs)
+        run = self._p.sequence_parallel or self.module  # under sp: this rank's chunk, the whole loss
         if len(args) == 1 and isinstance(args[0], dict):
-            out = self.module(**args[0], **kwargs)
+            out = run(**args[0], **kwargs)
         elif len(args) == 1 and isinstance(args[0], (tuple, list)):
-            out = self.module(*args[0], **kwargs)
+            out = run(*args[0], **kwargs)
         else:
-            out = self.module(*args, **kwargs)
+            out = run(*args, **kwargs)
         self._tick("forward", t0)
         return out
 
@@ -228,7 +230,7 @@ class TrainEngine:
         boundary = self.is_gradient_accumulation_boundary()
         self._boundary_override = None
         self.micro_steps += 1
-        self.global_samples += self._p.micro_batch * self.mesh.dp_size
+        self.global_samples += self._p.micro_batch * self.mesh.data_size
         if not boundary:
             return
         self._boundary_start = self.micro_steps
@@ -262,7 +264,7 @@ class TrainEngine:
               f"mom={self.get_mom()}", flush=True)
         if self._step_losses:
             loss = float(torch.stack([x.float() for x in self._step_losses]).mean())
-            samples = self._p.micro_batch * self._p.grad_accum * self.mesh.dp_size
+            samples = self._p.micro_batch * self._p.grad_accum * self.mesh.data_size
             print(f"steps: {self.global_steps} loss: {loss:0.4f} iter time (s): {iter_time:0.3f} "
                   f"samples/sec: {samples / max(iter_time, 1e-9):0.3f}", flush=True)
 

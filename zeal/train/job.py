@@ -115,7 +115,7 @@ def evaluate(engine: Any, blocks: Any, micro_batch: int, max_batches: int) -> fl
     """Mean held-out loss over every rank's share of the held-out blocks."""
     engine.eval()
     losses = [float(_loss_of(engine({"input_ids": b, "labels": b})))
-              for b in blocks.heldout_batches(micro_batch, max_batches, engine.mesh.dp_rank, engine.mesh.dp_size)]
+              for b in blocks.heldout_batches(micro_batch, max_batches, engine.mesh.data_rank, engine.mesh.data_size)]
     engine.train()
     return _mean_over_ranks([sum(losses) / len(losses)], engine.mesh.dp)[0]
 
@@ -188,7 +188,7 @@ class _Run:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.micro * self.accum * self.engine.world_size * self.spec.data.seq_len
+        return self.micro * self.accum * (self.engine.world_size // self.engine.mesh.sp_size) * self.spec.data.seq_len
 
     def say(self, *args: Any, **kwargs: Any) -> None:
         if self.is_main:
@@ -243,7 +243,7 @@ def _start(spec: JobSpec) -> _Run:
     fpt = _flops_per_token(model, spec.data.seq_len)  # before ZeRO partitions the weights
     engine = initialize(model, spec.engine)
     cfg = load_config(spec.engine)
-    _, micro, accum = cfg.resolve_batch(engine.mesh.dp_size)
+    _, micro, accum = cfg.resolve_batch(engine.mesh.data_size)
     run = _Run(spec, engine, cfg, tokenizer, blocks, micro, accum,
                MetricsSink(Path(j.run_dir), enabled=engine.rank == 0, append=j.resume, report_to=j.report_to,
                            run_config=spec.model_dump()),
@@ -251,7 +251,7 @@ def _start(spec: JobSpec) -> _Run:
     run.peak_flops, source = peak_flops(engine.device.type, engine.device.index or 0)
     run.say(f"mfu: {fpt:,.0f} model FLOPs per token (6N + attention) over a peak of {world_peak(run):.3g} FLOP/s "
             f"({source}, times {engine.world_size} ranks)", flush=True)
-    run.de = data_efficiency_job.build(cfg, blocks, micro, accum, engine.mesh.dp_size, engine.mesh.dp_rank,
+    run.de = data_efficiency_job.build(cfg, blocks, micro, accum, engine.mesh.data_size, engine.mesh.data_rank,
                                        getattr(engine, "token_drop", None))
     token_sched = data_efficiency_job.token_scheduler(j, cfg, engine.optimizer, run.de.counter)
     if token_sched is not None:
@@ -287,7 +287,7 @@ def _train(run: _Run) -> tuple[int, float, float]:
 
     j, engine, blocks, start_step = run.spec.job, run.engine, run.blocks, run.start_step
     # data is sharded over the data-parallel ranks (tensor/pipeline ranks of one replica see the same batch)
-    rank, world = engine.mesh.dp_rank, engine.mesh.dp_size
+    rank, world = engine.mesh.data_rank, engine.mesh.data_size
     sampler = BlockSampler(len(blocks.train_index), run.micro, run.accum, world, run.spec.data.seed)
     engine.train()
     bar = ProgressBar(j.steps, start_step, enabled=run.is_main, log_interval=j.log_interval)

@@ -53,16 +53,20 @@ def _group(dim: str) -> Any:
 
 
 def _get_data_parallel_world_size() -> int:
-    """Ranks holding a replica (ZeRO shards count as one data-parallel group)."""
-    return _size("dp")
+    """Ranks reading different samples: those holding a replica (ZeRO shards count as one
+    data-parallel group) over the sequence-parallel size, as DeepSpeed counts them."""
+    m = _mesh()
+    return m.data_size if m is not None else _size("dp")
 
 
 def _get_data_parallel_rank() -> int:
-    return _rank("dp")
+    m = _mesh()
+    return m.data_rank if m is not None else _rank("dp")
 
 
 def _get_data_parallel_group() -> Any:
-    return _group("dp")
+    m = _mesh()
+    return m.data.group if m is not None else _group("dp")
 
 
 def _get_model_parallel_world_size() -> int:
@@ -91,11 +95,21 @@ def _get_expert_data_parallel_rank(group_name: str | None = None) -> int:
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return 1  # zeal has no sequence parallelism
+    """Ranks sharing each sequence (DeepSpeed-Ulysses' ``sequence_parallel_size``)."""
+    return _size("sp")
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    return _rank("sp")
+
+
+def _get_sequence_parallel_group() -> Any:
+    return _group("sp")
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    """Data × sequence parallel ranks: the group ZeRO shards over."""
+    return _group("dp")
 
 
 def _get_sequence_data_parallel_world_size() -> int:
@@ -120,6 +134,22 @@ def get_data_parallel_rank() -> int:
 
 def get_data_parallel_group() -> Any:
     return _get_data_parallel_group()
+
+
+def get_sequence_parallel_world_size() -> int:
+    return _get_sequence_parallel_world_size()
+
+
+def get_sequence_parallel_rank() -> int:
+    return _get_sequence_parallel_rank()
+
+
+def get_sequence_parallel_group() -> Any:
+    return _get_sequence_parallel_group()
+
+
+def get_sequence_data_parallel_group() -> Any:
+    return _get_sequence_data_parallel_group()
 
 
 def get_tensor_model_parallel_world_size() -> int:

@@ -1,0 +1,196 @@
+"""The sequence-parallel apply-step: Ulysses attention swapped in, batches sharded, loss exact.
+
+``apply_sequence_parallel(model, mesh)`` (called by :mod:`zeal.train.build` when
+``sequence_parallel_size > 1``) routes the model's attention through
+:mod:`zeal.parallel.ulysses` and returns a :class:`SequenceParallel`, the callable the
+engine runs in place of ``model(...)``. It accepts two kinds of batch on every rank of an
+sp group:
+
+* **full sequences** (the simple path; what ``zeal train`` and ``training_data=`` give):
+  every sp rank passes the same ``input_ids (B, T)`` and ``labels``. The labels are
+  shifted first (the next-token label of a chunk's last token lives in the next chunk),
+  the length is padded to a multiple of S (pad labels -100, pad positions repeat the last
+  one; causal attention keeps real tokens blind to the pad at the end), and each rank
+  keeps its chunk ``[r·T/S, (r+1)·T/S)`` with its global positions;
+* **its own chunk**, as DeepSpeed's ``UlyssesSPDataLoaderAdapter`` yields it:
+  ``input_ids``, global ``position_ids`` and already shifted ``shift_labels``, each
+  ``(B, T/S)``.
+
+The loss is the full sequences' mean next-token cross-entropy on every sp rank: each rank
+sums its chunk's token losses (ignore-index -100), the sums and the valid-token count are
+all-reduced over ``sp`` ("control" traffic). Its backward hands each rank's chunk
+``S / count`` per token: the S sp ranks each differentiate the same loss, and the gradient
+average over the data-parallel group (dp = data × sp) divides by S again, so the update
+is the single-process one (DeepSpeed sums over sp and averages over data instead).
+Without labels the logits come back whole ``(B, T, V)`` (all-gathered over sp).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeal.dist.comm import Comm
+from zeal.dist.mesh import Mesh
+from zeal.parallel.ulysses import UlyssesAttention, register_hf_attention
+
+IGNORE = -100
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers model: its config selects the attention implementation."""
+    return hasattr(getattr(model, "config", None), "_attn_implementation")
+
+
+def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> SequenceParallel | None:
+    """Swap ``model``'s attention for Ulysses attention over ``mesh.sp`` (None at sp 1);
+    raises ValueError naming what does not fit (heads, model kind)."""
+    if mesh.sp_size == 1:
+        return None
+    if is_hf_model(model):
+        register_hf_attention(model, mesh.sp)
+        return SequenceParallel(model, mesh.sp, hf=True)
+    heads = _zeal_heads(model)
+    if heads is None:
+        raise ValueError(f"sequence parallelism needs zeal's GPT or Llama or a Hugging Face model; got "
+                         f"{type(model).__name__}")
+    return SequenceParallel(model, mesh.sp, hf=False)
+
+
+def _zeal_heads(model: nn.Module) -> tuple[int, int] | None:
+    cfg = getattr(model, "config", None)
+    if hasattr(cfg, "n_head"):
+        return cfg.n_head, cfg.n_head
+    if hasattr(cfg, "num_attention_heads") and hasattr(model, "layer_stack"):
+        return cfg.num_attention_heads, cfg.num_key_value_heads
+    return None
+
+
+class SequenceParallel:
+    """``sp(*args, **kwargs)`` runs the model on this rank's chunk of the batch and returns
+    what ``model(*args, **kwargs)`` returns without sp: the full sequences' loss (zeal
+    models), an output whose ``.loss`` is (Hugging Face: its ``.logits`` stay this
+    rank's chunk), or the whole logits when no labels are given. See the module docstring."""
+
+    def __init__(self, model: nn.Module, comm: Comm, hf: bool) -> None:
+        self.model, self.comm, self.hf = model, comm, hf
+        self.attention = UlyssesAttention(comm)
+        self._signature = inspect.signature(model.forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        own = {k: kwargs.pop(k) for k in ("shift_labels", "position_ids", "positions", "attention_mask")
+               if k in kwargs}
+        a = dict(self._signature.bind_partial(*args, **kwargs).arguments)
+        extra = a.pop("kwargs", None)
+        if isinstance(extra, dict):
+            a.update(extra)
+        a.update(own)
+        if a.get("input_ids") is None:
+            raise ValueError("sequence parallelism needs input_ids (the sequences it shards)")
+        ids = a.pop("input_ids")
+        if ids.dim() == 1:
+            ids = ids[None]
+        labels = a.pop("labels", None)
+        shift = a.pop("shift_labels", None)
+        pos = a.pop("position_ids", None)
+        pos = a.pop("positions", None) if pos is None else pos
+        mask = a.pop("attention_mask", None)
+        if mask is not None and not bool((mask != 0).all()):
+            raise ValueError("sequence parallelism takes right-padded batches without an attention_mask: "
+                             "mark the padding -100 in labels")
+        if shift is not None:  # this rank's own chunk (DeepSpeed's UlyssesSPDataLoaderAdapter)
+            if pos is None:
+                raise ValueError("a sequence-parallel chunk (shift_labels given) needs its global position_ids")
+            chunk, pos_chunk, y, full_len = ids, pos.expand_as(ids), shift, None
+        else:
+            chunk, pos_chunk, y, full_len = self._shard(ids, labels, pos)
+        out = self._run(chunk, pos_chunk, a)
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        if y is None:
+            full = gather_sequence(logits, self.comm)[:, :full_len]
+            if isinstance(out, torch.Tensor):
+                return full
+            out.logits = full
+            return out
+        loss = self._loss(logits, y)
+        if isinstance(out, torch.Tensor):
+            return loss
+        out.loss = loss
+        return out
+
+    # -- pieces --------------------------------------------------------------------------------
+    def _shard(self, ids: torch.Tensor, labels: torch.Tensor | None,
+               pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """This rank's chunk of full sequences: (ids, global positions, shifted labels, T)."""
+        s, r = self.comm.size, self.comm.ranks.index(self.comm.ctx.rank)
+        b, t = ids.shape
+        if pos is None:
+            pos = torch.arange(t, device=ids.device)
+        pos = pos.expand(b, t)
+        y = None
+        if labels is not None:
+            labels = labels.reshape(b, t)
+            y = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift BEFORE sharding
+        pad = -t % s
+        if pad:
+            ids = F.pad(ids, (0, pad), value=0)
+            pos = torch.cat([pos, pos[:, -1:].expand(b, pad)], dim=1)
+            y = None if y is None else F.pad(y, (0, pad), value=IGNORE)
+        n = (t + pad) // s
+        cut = slice(r * n, (r + 1) * n)
+        return ids[:, cut], pos[:, cut], None if y is None else y[:, cut], t
+
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, rest: dict) -> Any:
+        if self.hf:
+            rest.setdefault("use_cache", False)
+            return self.model(input_ids=ids, position_ids=pos, **rest)
+        return self.model(ids, positions=pos, attention=self.attention, **rest)
+
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        local = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1),
+                                ignore_index=IGNORE, reduction="sum")
+        count = (y != IGNORE).sum().to(torch.float64)
+        return _SequenceLoss.apply(local, count, self.comm)
+
+
+class _SequenceLoss(torch.autograd.Function):
+    """sum over sp of the chunks' loss sums / their token count; backward: S / count."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, count: torch.Tensor, comm: Comm) -> torch.Tensor:
+        both = torch.stack([local.detach().to(torch.float64), count])
+        comm.all_reduce(both, "control")
+        total = both[1].clamp(min=1)
+        ctx.scale = comm.size / float(total)
+        return (both[0] / total).to(local.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return g * ctx.scale, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        x = x.contiguous()
+        out = torch.empty((comm.size, *x.shape), dtype=x.dtype, device=x.device)
+        comm.all_gather(out, x, "sequence")
+        return torch.cat(list(out), dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        comm = ctx.comm
+        n = g.shape[1] // comm.size
+        r = comm.ranks.index(comm.ctx.rank)
+        return g[:, r * n:(r + 1) * n] * comm.size, None  # every sp rank differentiates the same output
+
+
+def gather_sequence(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``(B, T/S, ...)`` chunks -> ``(B, T, ...)`` on every sp rank (differentiable; the
+    backward scales by S as the loss's does)."""
+    return _GatherSequence.apply(x, comm) if comm.active else x
