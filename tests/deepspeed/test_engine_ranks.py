@@ -100,7 +100,7 @@ def _api_rank(rank: int, world: int) -> dict:
     engine.set_train_batch_size(2 * world * 4)
     out["gas_after_set"] = engine.gradient_accumulation_steps()
     refusals = {}
-    for name in ("no_sync", "compile", "flops_profiler_enabled", "half", "deepspeed_io"):
+    for name in ("no_sync", "get_compile_time", "is_deepcompile_enabled", "half", "deepspeed_io"):
         try:
             getattr(engine, name)
             refusals[name] = "no error"

@@ -156,7 +156,7 @@ def test_streamed_forced_call_cut_by_length_keeps_its_text(servers):
 
 # ---------------------------------------------------------------- fields clients send
 def test_parallel_tool_calls_false_keeps_one_call():
-    from zeal.inference.server import _chat_message
+    from zeal.inference.chat_choices import chat_message as _chat_message
 
     funcs = [OPEN_TOOL["function"]]
     two = ('<tool_call>{"name": "set_level", "arguments": {"level": 1}}</tool_call>'
@@ -253,8 +253,8 @@ def _replay(texts: list[str], funcs, forced_call=False) -> list[dict]:
     """The chunks of one streamed choice whose text grows through ``texts`` (then stops)."""
     from types import SimpleNamespace
 
+    from zeal.inference.chat_choices import chat_chunks as _chat_chunks
     from zeal.inference.outputs import RequestOutput
-    from zeal.inference.server import _chat_chunks
 
     make = _chat_chunks(SimpleNamespace(), "id", NAME, 3, False, funcs, forced_call)
     chunks, prev = [], ""

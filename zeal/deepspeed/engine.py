@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from zeal.config.schema import CompileConfig, FlopsProfilerConfig
+from zeal.config.schema import CompileConfig
 from zeal.deepspeed.engine_parts import (
     _DELEGATED,
     _FIXED,
@@ -31,6 +31,9 @@ from zeal.deepspeed.engine_parts import (
     _ZERO_FIELDS,
     Monitor,
     ThroughputTimer,
+)
+from zeal.deepspeed.engine_parts import (
+    flops_field as _flops_field,
 )
 from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
 
@@ -67,8 +70,8 @@ class DeepSpeedEngine(nn.Module):
             return lambda: getattr(self.__dict__["engine"].config.zero_optimization, field)
         if name in _FIXED:
             return lambda: _FIXED[name]
-        if name.startswith("flops_profiler_") and name[15:] in FlopsProfilerConfig.model_fields:
-            return lambda: getattr(self.__dict__["engine"].config.flops_profiler, name[15:])
+        if (field := _flops_field(name)) is not None:
+            return lambda: getattr(self.__dict__["engine"].config.flops_profiler, field)
         error = _refusal(name)
         if isinstance(error, _NotDeepSpeed):  # as DeepSpeed's: the model's own attributes pass through
             module = self._modules.get("module")
@@ -566,7 +569,7 @@ class DeepSpeedEngine(nn.Module):
         ``name`` (for ``bench/compat/ds_surface.py``)."""
         if name in _MOVES:
             return "refused"
-        if hasattr(cls, name) or name in _DELEGATED or name in _ZERO_FIELDS or name in _FIXED:
+        if hasattr(cls, name) or name in _DELEGATED or name in _ZERO_FIELDS or name in _FIXED or _flops_field(name):
             return "implemented"
         return "refused" if reason_by_prefix(name, _REASONS) is not None else "missing"
 

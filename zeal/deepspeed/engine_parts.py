@@ -155,3 +155,11 @@ class ThroughputTimer:
         if self.global_step_count == 0 or self.total_elapsed_time == 0:
             return float("-inf")
         return self.batch_size * self.global_step_count / self.total_elapsed_time
+
+
+def flops_field(name: str) -> str | None:
+    """``flops_profiler_profile_step`` -> ``profile_step`` (a field of the flops_profiler section)."""
+    from zeal.config.schema import FlopsProfilerConfig
+
+    field = name.removeprefix("flops_profiler_")
+    return field if field != name and field in FlopsProfilerConfig.model_fields else None

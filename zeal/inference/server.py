@@ -31,10 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from zeal.config.inference import ServerLimits
 from zeal.inference import lora_routes
 from zeal.inference.async_engine import AsyncEngine, QueueFullError
+from zeal.inference.chat_choices import chat_chunks, chat_logprobs, chat_message, usage_of
 from zeal.inference.completion_choices import CompletionChoices
 from zeal.inference.conn_guard import RequestLimit
 from zeal.inference.engine import LLMEngine
-from zeal.inference.outputs import CompletionOutput, RequestOutput
+from zeal.inference.outputs import RequestOutput
 from zeal.inference.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.server_guard import (
@@ -46,7 +47,7 @@ from zeal.inference.server_guard import (
     uvicorn_limits,
 )
 from zeal.inference.structured import StructuredOutputsParams, close_objects
-from zeal.inference.tools import allowed_tools, call_schema, forced, parse_tool_calls
+from zeal.inference.tools import allowed_tools, call_schema, forced
 
 __all__ = ["AppState", "ServerLimits", "build_app", "uvicorn_limits"]
 
@@ -450,93 +451,6 @@ async def completions(state: AppState, request: Request) -> Response | dict:
             "choices": choices, "usage": usage()}
 
 
-def _chat_logprobs(state: AppState, c: CompletionOutput, last: int | None = None) -> dict | None:
-    """OpenAI's ``choices[].logprobs``: per generated token (the ``last`` ones when given),
-    its text, log-probability, bytes and ``top_logprobs`` alternatives, most likely first."""
-    if c.logprobs is None:
-        return None
-    entries = c.logprobs if last is None else c.logprobs[len(c.logprobs) - last :] if last else []
-
-    def item(t: int, lp: float) -> dict:
-        return {"token": state.token_str(t), "logprob": lp, "bytes": state.token_bytes(t)}
-
-    return {"content": [item(x["token"], x["logprob"]) | {
-        "top_logprobs": [item(t, v) for t, v in sorted(x["top_logprobs"].items(), key=lambda kv: -kv[1])]}
-        for x in entries]}
-
-
-def _usage(prompt_tokens: int, out: RequestOutput) -> dict:
-    ct = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": ct, "total_tokens": prompt_tokens + ct}
-
-
-def _chat_message(c: CompletionOutput, funcs: list[dict] | None, parallel: bool = True) -> tuple[dict, str | None]:
-    """The assistant message of a choice and its finish reason: parsed tool calls when the
-    answer is a call to one of ``funcs`` (the first only unless ``parallel``), else the text."""
-    calls = parse_tool_calls(c.text, funcs) if funcs else None
-    if calls and not parallel:
-        calls = calls[:1]
-    if calls:
-        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}, "tool_calls"
-    return {"role": "assistant", "content": c.text, "refusal": None}, c.finish_reason
-
-
-def _may_be_call(text: str) -> bool:
-    """Whether an answer so far could still turn out to be a tool call (bare or tagged)."""
-    s = text.lstrip()
-    return not s or s.startswith("{") or s.startswith("<tool_call>") or "<tool_call>".startswith(s)
-
-
-def _chat_chunks(state: AppState, cid: str, name: str, prompt_tokens: int, include_usage: bool,
-                 funcs: list[dict] | None = None, forced_call: bool = False, parallel: bool = True,
-                 extra: dict | None = None):
-    """The chunk maker of one streamed chat completion: the role first, then content deltas,
-    each choice streamed as its whole answer reads. With ``funcs`` (tool calls possible) a
-    choice's text is held back while it may still be a call (always, for a ``forced_call``)
-    and sent at its end as one ``tool_calls`` delta, or as content with its log-probs when it
-    is not a call (a forced call cut by ``length`` included); a choice that cannot be a call
-    streams as plain content from then on. ``extra``: fields every chunk carries."""
-    started: set[int] = set()
-    plain: set[int] = set()  # choices known not to be calls: streamed as they come
-
-    def chunks(_i: int, out: RequestOutput) -> Iterator[dict]:
-        base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": name}
-        base |= extra or {}
-        if include_usage:  # OpenAI: null on every chunk but the last
-            base["usage"] = None
-        for c in out.outputs:
-            delta = {}
-            if c.index not in started:
-                started.add(c.index)
-                delta["role"] = "assistant"
-            if funcs is not None and c.index not in plain:  # held back so far
-                whole, reason = None, c.finish_reason
-                if not forced_call and not _may_be_call(c.text):
-                    plain.add(c.index)
-                    whole = {"content": c.text} if c.text else {}
-                elif c.finish_reason:
-                    msg, reason = _chat_message(c, funcs, parallel)
-                    whole = ({"tool_calls": [{"index": k} | t for k, t in enumerate(msg["tool_calls"])]}
-                             if msg.get("tool_calls") else {"content": msg["content"]} if msg["content"] else {})
-                if whole is not None:
-                    yield base | {"choices": [{"index": c.index, "delta": delta | whole,
-                                               "logprobs": _chat_logprobs(state, c), "finish_reason": reason}]}
-                elif delta:
-                    yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": None,
-                                               "finish_reason": None}]}
-                continue
-            if c.delta_text:
-                delta["content"] = c.delta_text
-            if delta or c.finish_reason or (c.logprobs is not None and c.delta_token_ids):
-                lp = _chat_logprobs(state, c, len(c.delta_token_ids))
-                yield base | {"choices": [{"index": c.index, "delta": delta, "logprobs": lp,
-                                           "finish_reason": c.finish_reason}]}
-        if include_usage and out.finished:
-            yield base | {"choices": [], "usage": _usage(prompt_tokens, out)}
-
-    return chunks
-
-
 async def chat_completions(state: AppState, request: Request) -> Response | dict:
     """``POST /v1/chat/completions``: one conversation through the model's chat template."""
     req: ChatCompletionRequest = await parse_body(state, request, ChatCompletionRequest)
@@ -563,16 +477,16 @@ async def chat_completions(state: AppState, request: Request) -> Response | dict
     agen = run_all(state.aengine, [prompt], params, lora)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await stream_response(agen, _chat_chunks(state, cid, name, len(prompt), usage, funcs, forced(choice),
+        return await stream_response(agen, chat_chunks(state, cid, name, len(prompt), usage, funcs, forced(choice),
                                                          req.parallel_tool_calls, _tier(req)))
     final = (await collect_or_error(agen, request))[0]
     choices = []
     for c in final.outputs:
-        msg, reason = _chat_message(c, funcs, req.parallel_tool_calls)
-        choices.append({"index": c.index, "message": msg, "logprobs": _chat_logprobs(state, c),
+        msg, reason = chat_message(c, funcs, req.parallel_tool_calls)
+        choices.append({"index": c.index, "message": msg, "logprobs": chat_logprobs(state, c),
                         "finish_reason": reason})
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": name,
-            "choices": choices, "usage": _usage(len(prompt), final)} | _tier(req)
+            "choices": choices, "usage": usage_of(len(prompt), final)} | _tier(req)
 
 
 def _tool_functions(state: AppState, tools: list[dict] | None, choice: str | dict | None,

@@ -149,15 +149,7 @@ def initialize(
         group.update({k: v for k, v in options.items() if k != "params"})  # per-group lr, weight decay ...
 
     scheduler = _scheduler(cfg, lr_scheduler, zopt.optimizer)
-    loader = None
-    if training_data is not None:
-        # DeepSpeed's batches: DistributedSampler's order with its seed (0) unless the config sets one
-        sampler = _curriculum_sampler(cfg, len(training_data), micro, mesh, accum) or ResumableDistributedSampler(
-            len(training_data), mesh.data_size, mesh.data_rank, seed=cfg.seed if "seed" in cfg.model_fields_set else 0,
-            batch_size=micro, drop_last=cfg.dataloader_drop_last)
-        loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
-                                             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn)
-        loader.data_sampler = sampler  # DeepSpeed's name (scripts call data_sampler.set_epoch)
+    loader = _loader(cfg, training_data, micro, mesh, accum, collate_fn) if training_data is not None else None
     mesh.stats.step.clear()
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
                         precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp, zero.comm_groups, sp)
@@ -176,6 +168,17 @@ def initialize(
     if mesh.ep_size > 1:  # checkpoints describe every expert, not only this rank's
         set_global_layout(engine)
     return engine
+
+
+def _loader(cfg: Config, training_data: Any, micro: int, mesh: Mesh, accum: int, collate_fn: Any) -> Any:
+    """DeepSpeed's batches: DistributedSampler's order with its seed (0) unless the config sets one."""
+    sampler = _curriculum_sampler(cfg, len(training_data), micro, mesh, accum) or ResumableDistributedSampler(
+        len(training_data), mesh.data_size, mesh.data_rank, seed=cfg.seed if "seed" in cfg.model_fields_set else 0,
+        batch_size=micro, drop_last=cfg.dataloader_drop_last)
+    loader = torch.utils.data.DataLoader(training_data, batch_size=micro, sampler=sampler,
+                                         drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn)
+    loader.data_sampler = sampler  # DeepSpeed's name (scripts call data_sampler.set_epoch)
+    return loader
 
 
 def _curriculum_sampler(cfg: Config, n: int, micro: int, mesh: Mesh, accum: int) -> Any:
