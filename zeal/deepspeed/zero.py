@@ -17,7 +17,13 @@ import torch
 class Init:
     """``with zero.Init(): model = MyModel()`` — the model is built on the meta device and
     materialised by ``initialize`` (with the model's own initialiser). DeepSpeed's
-    arguments are accepted; ``enabled=False`` builds normally."""
+    arguments are accepted; ``enabled=False`` builds normally.
+
+    Given a DeepSpeed config (``config_dict_or_path=`` / ``config=``: how transformers'
+    ``from_pretrained`` and DeepSpeed-Chat call it, to write the checkpoint's weights through
+    :func:`GatheredParameters` next), the model is built whole on the CPU instead, so the
+    loader has real tensors to write into; ``initialize`` partitions it as any built model
+    (the whole model exists once per rank until then)."""
 
     def __init__(self, module: Any = None, data_parallel_group: Any = None, mem_efficient_linear: bool = True,
                  remote_device: str | None = None, pin_memory: bool = False, config_dict_or_path: Any = None,
@@ -26,7 +32,7 @@ class Init:
         if module is not None:
             raise ValueError("zero.Init(module=...) (partitioning a built module) is not supported; build the "
                              "model inside `with zero.Init():` or pass it to initialize as it is")
-        self.enabled = enabled
+        self.enabled = enabled and config_dict_or_path is None and config is None
         self._device: Any = None
 
     def __enter__(self) -> Init:

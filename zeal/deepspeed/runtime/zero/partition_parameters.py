@@ -9,8 +9,13 @@ p.ds_status == ZeroParamStatus.NOT_AVAILABLE`` test selects the parameters to ga
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
+import torch
+
+from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.zero import (
     GatheredParameters,
     Init,
@@ -18,8 +23,19 @@ from zeal.deepspeed.zero import (
     unregister_external_parameter,
 )
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "register_external_parameter",
-           "unregister_external_parameter"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "ZeroParamType", "get_accelerator",
+           "register_external_parameter", "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+
+_orig_torch_arange = torch.arange  # what transformers' prevent_arange_dtype_change compares with
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype | None = None,
+                                           target_device: Any = None) -> Callable:
+    """DeepSpeed's hook for the tensor constructors its ``Init`` patches. zeal's ``Init``
+    patches none (it builds on the meta device, or whole on the CPU when given a config), so
+    the constructor is returned as it is; transformers swaps this name around ``Init``."""
+    del target_fp_dtype, target_device
+    return fn
 
 
 class ZeroParamStatus(Enum):
