@@ -28,6 +28,7 @@ def chat_logprobs(state: Any, c: CompletionOutput, last: int | None = None) -> d
 
 
 def usage_of(prompt_tokens: int, out: RequestOutput) -> dict:
+    """OpenAI's ``usage`` of a chat completion: prompt, completion (every choice) and total tokens."""
     ct = sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": ct, "total_tokens": prompt_tokens + ct}
 
