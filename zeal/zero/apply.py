@@ -100,12 +100,29 @@ class CoordinatorHooks:
         self.coordinator.remove_hooks()
 
 
+def check_offload_device(zc: ZeroConfig, device: torch.device) -> None:
+    """Refuse, in one line, the offload tiers that do not yet cross from an accelerator to the
+    host: parameters stay put under ``offload_param.device: cpu`` (it had no effect there), and
+    both NVMe tiers read and write host memory only. On a CPU device every tier is whole."""
+    if device.type == "cpu":
+        return
+    where = {"cpu": "parameters would stay on the device", "nvme": "its swap files read host memory only"}
+    op, oo = zc.offload_param.device, zc.offload_optimizer.device
+    if op in where:
+        raise ConfigError(f"config key 'zero_optimization.offload_param.device' {op!r} is not supported on "
+                          f"{device.type} yet ({where[op]}); use 'none', or offload_optimizer to the CPU")
+    if oo == "nvme":
+        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' 'nvme' is not supported on "
+                          f"{device.type} yet ({where['nvme']}); use 'cpu'")
+
+
 def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype, groups: list[list[nn.Parameter]],
                group_of: dict[int, int], init: Callable[[nn.Module], None], seed: int,
                comm_groups: list[CommGroup] | None = None) -> ZeroParts:
     """Partition ``model`` over ``mesh.dp`` as ``zc.stage`` says, and each of ``comm_groups``
     over its own Comm; see the module docstring."""
     stage = resolve_stage(zc.stage)
+    check_offload_device(zc, mesh.device)
     comm = mesh.dp
     cgs = list(comm_groups or [])
     home: MemoryShards | DiskShards = MemoryShards()
