@@ -32,7 +32,7 @@ def test_from_pretrained_under_zero3_loads_the_checkpoint_on_every_rank(tmp_path
            str(free_port()), str(SCRIPT), "--out", str(tmp_path / "model")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280, cwd=str(tmp_path))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    results = [json.loads(ln.split(" ", 1)[1]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    results = [json.loads((tmp_path / f"model-result-{r}.json").read_text()) for r in range(ranks)]
     assert len(results) == ranks
     for r in results:
         assert r["same_weights"] and r["keys"] == 21, r

@@ -1,5 +1,5 @@
 """A Hugging Face model loaded with ``from_pretrained`` under a ZeRO-3 DeepSpeed config (what
-the Trainer and DeepSpeed-Chat do), then trained a step: never names zeal. Prints RESULT json."""
+the Trainer and DeepSpeed-Chat do), then trained a step: never names zeal. Writes OUT-result-RANK.json."""
 import argparse
 import json
 
@@ -33,5 +33,6 @@ with torch.no_grad():
     ref_loss = ref(input_ids=x, labels=x).loss
 engine.backward(loss)
 engine.step()
-print("RESULT " + json.dumps({"same_weights": same, "keys": len(loaded), "loss": loss.item(),
-                              "ref_loss": float(ref_loss)}))
+result = {"same_weights": same, "keys": len(loaded), "loss": loss.item(), "ref_loss": float(ref_loss)}
+with open(f"{args.out}-result-{dist.get_rank()}.json", "w") as f:  # one file a rank: stdout lines interleave
+    json.dump(result, f)
