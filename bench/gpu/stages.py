@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-# dense bf16 peak TFLOP/s (vendor figures, without sparsity) and HBM bandwidth in TB/s
-PEAKS = {"H100": (989.0, 3.35), "H200": (989.0, 4.8), "A100": (312.0, 2.0), "L40S": (362.0, 0.864)}
+# HBM bandwidth in TB/s (vendor figures): the decode step's floor; the FLOP peaks are zeal.utils.flops'
+HBM_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.0, "L40S": 0.864}
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
                rope_theta=100000.0)
@@ -74,23 +74,6 @@ def _hf_llama(shape: dict, layers: int | None = None, seed: int = 0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(**(shape | ({"num_hidden_layers": layers} if layers else {})))
     return LlamaForCausalLM(cfg)
-
-
-def _peak_flops(device) -> tuple[float | None, str]:
-    """The device's dense bf16 peak in FLOP/s and where the figure comes from."""
-    import torch
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (tflops, _) in PEAKS.items():
-            if key in name:
-                return tflops * 1e12, f"{key} datasheet"
-        return None, f"unknown device {name}"
-    a = torch.randn(1024, 1024)
-    t = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    return 20 * 2 * 1024**3 / (time.perf_counter() - t), "measured fp32 matmul peak (CPU)"
 
 
 # ------------------------------------------------------------------ stages
@@ -208,7 +191,9 @@ def stage_train_speed(dry: bool) -> dict:
 
     device = _device(dry)
     shape, micro, seq, warmup, steps = (TOY, 2, 64, 1, 2) if dry else (LLAMA_1B, 4, 1024, 3, 8)
-    peak, peak_src = _peak_flops(device)
+    from zeal.utils.flops import peak_flops
+
+    peak, peak_src = peak_flops(device.type, device.index or 0)
     x = torch.randint(0, shape["vocab_size"], (micro, seq), device=device)
     n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
     flops_per_step = 6 * n_params * micro * seq  # + attention: 12·layers·hidden·seq² per sequence
@@ -367,7 +352,7 @@ def stage_serve_speed(dry: bool) -> dict:
         step = (time.perf_counter() - t) / n_new
         out["zeal_decode_step_ms"] = round(step * 1e3, 3)
         if device.type == "cuda":
-            bw = next((b for k, (_, b) in PEAKS.items() if k in torch.cuda.get_device_name(device)), None)
+            bw = next((b for k, b in HBM_TBPS.items() if k in torch.cuda.get_device_name(device)), None)
             if bw:
                 out["decode_floor_ms"] = round(weight_bytes / (bw * 1e12) * 1e3, 3)
         out["profile"] = _profile_decode(llm, prompts[0], device)
