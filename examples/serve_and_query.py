@@ -10,7 +10,7 @@ The server is OpenAI-compatible: ``model`` in a request must be the served name 
 name is a 404. The same request with curl::
 
     curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-      -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi!"}]}'
+      -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
 
 Needs ``pip install 'zeal[serve]' openai``.
 """

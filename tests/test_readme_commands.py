@@ -1,4 +1,5 @@
 """The README cannot drift from the code: every ``zeal ...`` command in its shell blocks
+(and in those of the ``docs/`` pages it links to)
 parses with the real command-line parser (every flag exists, every choice is valid,
 dotted ``zeal train`` overrides name real keys), every subcommand it uses answers
 ``--help``, and the cheap ones run: ``zeal train`` commands build their validated job
@@ -15,13 +16,15 @@ import pytest
 from zeal.cli.main import COMMANDS, build_parser, main
 
 pytestmark = pytest.mark.timeout(120)
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))  # the reference pages the README links to
 _BLOCK = re.compile(r"^```(?:bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
 
 
 def readme_commands(text: str) -> list[list[str]]:
     """argv (after ``zeal``) of every zeal command in the shell blocks of ``text``:
-    comments dropped, ``a; b`` and ``a && b`` split, ``x|y|z`` alternatives expanded."""
+    comments dropped, ``a; b``, ``a && b`` and ``a &`` split, ``x|y|z`` alternatives expanded."""
     out = []
     for block in _BLOCK.findall(text):
         for line in block.replace("\\\n", " ").splitlines():
@@ -31,7 +34,7 @@ def readme_commands(text: str) -> list[list[str]]:
                 continue
             cur: list[list[str]] = [[]]
             for tok in tokens:
-                if tok in (";", "&&", "||") or tok.endswith(";"):
+                if tok in (";", "&&", "||", "&") or tok.endswith(";"):
                     if tok.endswith(";") and tok != ";":
                         cur[-1].append(tok[:-1])
                     cur.append([])
@@ -51,13 +54,13 @@ def readme_commands(text: str) -> list[list[str]]:
     return out
 
 
-COMMAND_LINES = readme_commands(README.read_text())
+COMMAND_LINES = readme_commands(README.read_text()) + [a for d in DOCS for a in readme_commands(d.read_text())]
 
 
 def test_the_readme_has_zeal_commands_and_the_extractor_reads_them():
     assert len(COMMAND_LINES) >= 10
-    assert readme_commands("```bash\nzeal a --x 1   # c\nfoo; .venv/bin/zeal b|c -y && zeal d\n```\n") == [
-        ["a", "--x", "1"], ["b", "-y"], ["c", "-y"], ["d"]]
+    assert readme_commands("```bash\nzeal a --x 1   # c\nfoo; .venv/bin/zeal b|c -y && zeal d\nzeal e P &\n```\n") == [
+        ["a", "--x", "1"], ["b", "-y"], ["c", "-y"], ["d"], ["e", "P"]]
 
 
 @pytest.mark.parametrize("argv", COMMAND_LINES, ids=[" ".join(a)[:60] for a in COMMAND_LINES])
