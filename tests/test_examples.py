@@ -53,3 +53,18 @@ def test_example_runs_at_toy_size(name, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for line in lines:
         assert line in proc.stdout, (line, proc.stdout[-2000:])
+
+
+def test_readme_example_commands_name_real_files_and_flags():
+    """Every ``examples/NAME.py --flag ...`` in the README's shell blocks names an example
+    that exists and flags that example defines (or the launcher's own)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```(?:bash|sh)\n(.*?)^```", readme, re.S | re.M)
+    calls = [m for b in blocks for m in re.findall(r"examples/(\w+\.py)([^#\n]*)", b.replace("\\\n", " "))]
+    assert len({name for name, _ in calls}) >= 6, calls
+    for name, rest in calls:
+        source = (ROOT / "examples" / name).read_text()
+        for flag in re.findall(r"(?<!\S)(--[\w-]+)", rest):
+            assert f'"{flag}"' in source or flag in ("--deepspeed",), (name, flag)
