@@ -2,7 +2,7 @@
 ``zeal deepspeed`` (DeepSpeed's launcher, same flags) ``import deepspeed`` and every
 ``deepspeed.*`` module resolve to zeal's implementation.
 
-    zeal deepspeed --num_gpus 2 examples/deepspeed_train.py --deepspeed   # 2 ranks, ZeRO stage 2, ~20 s
+    zeal deepspeed --num_gpus 2 examples/deepspeed_train.py --deepspeed   # 2 ranks, ZeRO stage 2, ~10 s
     python -m zeal.deepspeed examples/deepspeed_train.py --deepspeed       # one process, ranks started elsewhere
     python -m zeal.deepspeed examples/deepspeed_train.py --toy             # 4 steps (what CI runs)
 

@@ -2,7 +2,7 @@
 task scored the way lm-evaluation-harness scores one (the log-likelihood of each choice
 given the question; ``acc`` picks the likeliest, ``acc_norm`` the likeliest per byte).
 
-    python examples/evaluate.py                                  # the embedded SmolLM2-135M-Instruct, ~30 s
+    python examples/evaluate.py                                  # the embedded SmolLM2-135M-Instruct, ~10 s
     python examples/evaluate.py --model runs/example-smollm2     # a fine-tuned folder (examples/finetune_smollm2.py)
     python examples/evaluate.py --toy                            # 3 questions, one short text (what CI runs)
 

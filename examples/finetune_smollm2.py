@@ -1,7 +1,7 @@
 """Fine-tune the embedded SmolLM2-135M-Instruct on a small JSONL chat file, save it as a
 Hugging Face folder and ask it a question before and after.
 
-    python examples/finetune_smollm2.py                      # built-in 16 rows, 30 steps, a few minutes on CPU
+    python examples/finetune_smollm2.py                      # built-in 16 rows, 30 steps, ~1 min on 2 CPU cores
     python examples/finetune_smollm2.py --data chats.jsonl   # your rows: {"messages": [{"role": ..., "content": ...}]}
     python examples/finetune_smollm2.py --toy                # 1 step, short answers (what CI runs)
     zeal serve runs/example-smollm2                          # then serve the result

@@ -1,7 +1,7 @@
 """Train zeal's GPT from Python: build the model, hand it to ``zeal.initialize`` with a
 DeepSpeed-style config, and run the usual forward / backward / step loop.
 
-    python examples/train_gpt.py                  # 300 steps, about a minute on 2 CPU cores
+    python examples/train_gpt.py                  # 300 steps, ~20 s on 2 CPU cores
     zeal launch --nproc 2 examples/train_gpt.py   # the same on 2 ranks: ZeRO stage 3 shards the model
     python examples/train_gpt.py --toy            # 3 steps (what CI runs)
 
