@@ -24,6 +24,14 @@ settings.load_profile("ci")  # --hypothesis-profile long loads the other after t
 
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # ``-n 2`` (the README's command): each worker's tiny models get one core, not a thread
+    # pool that contends with the other worker's for the same two cores. Ranks and
+    # subprocesses set their own threads, as in a serial run.
+    import torch
+
+    torch.set_num_threads(1)
+
 _RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -43,3 +51,27 @@ def _no_process_group_left_behind():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def _time_limit(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is None:
+        return 0.0
+    value = marker.args[0] if marker.args else marker.kwargs.get("timeout", 0)
+    return float(value or 0)
+
+
+@pytest.hookimpl(trylast=True)  # after ``-m`` has deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n 2 --dist loadfile`` (the README's command) the files whose tests declare the
+    longest time limit (``@pytest.mark.timeout``: the end-to-end runs of ``zeal train``,
+    ``zeal serve``, the examples) go first, so the two workers end together instead of one
+    finishing a long file alone. Each file's tests keep their order; a serial run keeps
+    pytest's order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    ordered = sorted(files.values(), key=lambda group: -max(_time_limit(i) for i in group))
+    items[:] = [i for group in ordered for i in group]
