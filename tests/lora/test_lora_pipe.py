@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_ranks
-from tests.pipe.test_pipeline_equivalence import CLIP, LR, M, MICRO, T, _data, _llama
+from tests.pipe.test_pipeline_equivalence import CLIP, LR, MICRO, M, T, _data, _llama
 
 STEPS, SEED = 3, 5
 LORA = {"enabled": True, "r": 2, "alpha": 4, "target_modules": "all-linear", "init": "gaussian"}
