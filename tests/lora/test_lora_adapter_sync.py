@@ -44,8 +44,9 @@ def merged_reference(engine) -> torch.nn.Module:
     return ref.eval()
 
 
-def adapter_sync_case(rank: int, world: int, folder: str, stage: int, **extra) -> dict:
-    """Train, sync, generate; returns what the test checks (every rank runs it)."""
+def adapter_sync_case(rank: int, world: int, folder: str, stage: int, via_snapshot: bool = False, **extra) -> dict:
+    """Train, sync (or snapshot + load_snapshot: the async rollouts' path), generate;
+    returns what the test checks (every rank runs it)."""
     import zeal
     from tests.rlhf.test_hybrid import greedy_reference
     from zeal.inference.sampling_params import SamplingParams
@@ -62,7 +63,7 @@ def adapter_sync_case(rank: int, world: int, folder: str, stage: int, **extra) -
     if coord is not None:  # which units a sync gathers
         gather = coord._gather_now
         coord._gather_now = lambda u: (gathered.extend(u.names), gather(u))[1]
-    n = hybrid.sync_weights()
+    n = hybrid.load_snapshot(hybrid.snapshot_weights()) if via_snapshot else hybrid.sync_weights()
     if coord is not None:
         coord._gather_now = gather
     outs = hybrid.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), sync=False)
@@ -94,10 +95,10 @@ def check(res: dict, stage: int) -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("quant", ["none", "int8"])
 def test_adapter_only_sync_keeps_base_bytes_zero0(tmp_path, quant):
+    """int8: through snapshot_weights / load_snapshot (the async rollouts' path)."""
     write_initial_adapter(tmp_path)
-    check(adapter_sync_case(0, 1, str(tmp_path), 0, **({"lora": {"enabled": True, "adapter": str(tmp_path),
-                                                                  "quantize_base": quant,
-                                                                  "quant_block_size": 16}})), 0)
+    lora = {"enabled": True, "adapter": str(tmp_path), "quantize_base": quant, "quant_block_size": 16}
+    check(adapter_sync_case(0, 1, str(tmp_path), 0, quant != "none", lora=lora), 0)
 
 
 def test_serving_adapters_refuse_a_mismatched_model():
