@@ -114,3 +114,21 @@ def test_adapter_only_sync_zero3_two_ranks(pool, tmp_path):
     write_initial_adapter(tmp_path)
     for res in pool.run(adapter_sync_case, str(tmp_path), 3, timeout=100):
         check(res, 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("offload", [{"offload_optimizer": {"device": "cpu"}},
+                                     {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}],
+                         ids=["optimizer", "optimizer+param"])
+def test_zero3_offload_one_process_equals_peft(tmp_path, offload):
+    """ZeRO 3 with the optimizer (and parameters) offloaded: only the adapters' state is
+    offloaded, the losses stay PEFT's."""
+    import zeal
+
+    write_initial_adapter(tmp_path)
+    cfg = engine_config(tmp_path, 3)
+    cfg["zero_optimization"].update(offload)
+    engine = zeal.initialize(zeal_model(), cfg)
+    got = zeal_losses(engine, None)
+    engine.close()
+    _close(got, peft_losses(), f"offload {sorted(offload)}")
