@@ -95,6 +95,7 @@ def _ep_runs(rank: int, world: int, folder: str) -> dict:
     return {stage: _train(rank, world, stage, 2, folder if stage == 3 else None) for stage in (2, 3)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_expert_adapters_ep2_two_ranks_equal_one_process(tmp_path):
     from zeal.lora.peft_folder import read_adapter
