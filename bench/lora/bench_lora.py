@@ -40,17 +40,36 @@ VARIANTS = {
 }
 
 
-def _rank(rank: int, world: int, variant: str, steps: int, micro: int, seq: int) -> dict:
+# Llama-3.2-1B's config.json shapes (hidden, MLP, heads, GQA, vocabulary, tied head)
+LLAMA_1B = {"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "head_dim": 64}
+
+
+def _model(shape: str, layers: int | None):
+    """SmolLM2-135M from its checkpoint, or a random-init Llama of Llama-3.2-1B's shapes."""
+    import torch
+
+    from zeal.models.hf import default_model_path
+    from zeal.models.llama import Llama, LlamaConfig
+
+    if shape == "smollm2":
+        return Llama.from_hf_folder(default_model_path())
+    torch.manual_seed(0)
+    return Llama(LlamaConfig.from_hf({**LLAMA_1B, "num_hidden_layers": layers or LLAMA_1B["num_hidden_layers"]}))
+
+
+def _rank(rank: int, world: int, variant: str, steps: int, micro: int, seq: int, shape: str = "smollm2",
+          layers: int | None = None) -> dict:
     import resource
 
     import torch
 
     import zeal
     from zeal.lora.layer import LoraLinear
-    from zeal.models.hf import default_model_path
-    from zeal.models.llama import Llama
 
-    model = Llama.from_hf_folder(default_model_path())
+    model = _model(shape, layers)
+    vocab = model.config.vocab_size
     n_all = sum(p.numel() for p in model.parameters())
     cfg = {"train_micro_batch_size_per_gpu": micro, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3}}
@@ -64,7 +83,7 @@ def _rank(rank: int, world: int, variant: str, steps: int, micro: int, seq: int)
     times = []
     engine.train()
     for _ in range(steps):
-        ids = torch.randint(0, 49152, (micro, seq), generator=g)
+        ids = torch.randint(0, vocab, (micro, seq), generator=g)
         t0 = time.perf_counter()
         loss = engine(ids, labels=ids)
         engine.backward(loss)
@@ -83,15 +102,19 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--shape", choices=["smollm2", "llama1b"], default="smollm2",
+                    help="SmolLM2-135M (checkpoint) or Llama-3.2-1B's shapes, random init")
+    ap.add_argument("--layers", type=int, default=None, help="llama1b: fewer blocks than its 16 (memory)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results.json"))
     a = ap.parse_args()
     rows = {}
     mib = 2**20
-    print(f"SmolLM2-135M, ZeRO 3, 2 gloo ranks, fp32, micro {a.micro} x seq {a.seq}, {a.steps} steps")
+    name = "SmolLM2-135M" if a.shape == "smollm2" else f"Llama-3.2-1B shapes, {a.layers or 16} of 16 layers, random init"
+    print(f"{name}, ZeRO 3, 2 gloo ranks, fp32, micro {a.micro} x seq {a.seq}, {a.steps} steps")
     print(f"{'variant':8} {'trainable':>11} {'params+grads+optim MiB':>23} {'frozen shard MiB':>17} "
           f"{'quant base MiB':>15} {'peak RSS MiB':>13} {'step s':>7}")
     for v in a.variants.split(","):
-        res = run_ranks(_rank, 2, v, a.steps, a.micro, a.seq, timeout=580)
+        res = run_ranks(_rank, 2, v, a.steps, a.micro, a.seq, a.shape, a.layers, timeout=580)
         r0 = res[0]
         trainable = sum(r["trainable_master_elems"] for r in res)  # masters are partitioned over the 2 ranks
         m = r0["memory"]

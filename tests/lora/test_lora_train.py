@@ -53,7 +53,9 @@ def _rank(rank, world, folder, stage):
 
     engine = zeal.initialize(zeal_model(), engine_config(folder, stage))
     losses = zeal_losses(engine, rank)
-    held = engine.memory_breakdown()
+    from tests.lora.test_lora_estimate import held_states
+
+    held = held_states(engine)
     engine.close()
     return losses, held
 
@@ -72,6 +74,10 @@ def test_zero_stages_on_two_ranks_equal_peft(pool, tmp_path, stage):
     results = pool.run(_rank, str(tmp_path), stage, timeout=100)
     got = [sum(r[0][i] for r in results) / WORLD for i in range(len(results[0][0]))]
     _close(got, peft_losses(), f"stage {stage}")
+    from tests.lora.test_lora_estimate import planned_states
+
+    want = planned_states(stage, WORLD)  # zeal estimate's model states per rank
+    assert all(abs(held - want) <= 0.01 * want for _, held in results), ([h for _, h in results], want)
 
 
 def test_only_adapters_get_optimizer_state(tmp_path):
@@ -97,3 +103,32 @@ def test_sync_stream_merged_zero3_two_ranks(pool, tmp_path):
 
     write_initial_adapter(tmp_path)
     assert max(pool.run(_sync, str(tmp_path), 3, timeout=100)) <= 1e-6
+
+
+@pytest.mark.timeout(120)
+def test_adapter_only_sync_zero3_two_ranks(pool, tmp_path):
+    """At ZeRO 3 the hybrid engine's later syncs gather the adapters' units alone; the
+    serving base keeps its bytes and generations follow the trained adapters."""
+    from tests.lora.test_lora_adapter_sync import adapter_sync_case, check
+
+    write_initial_adapter(tmp_path)
+    for res in pool.run(adapter_sync_case, str(tmp_path), 3, timeout=100):
+        check(res, 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("offload", [{"offload_optimizer": {"device": "cpu"}},
+                                     {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}],
+                         ids=["optimizer", "optimizer+param"])
+def test_zero3_offload_one_process_equals_peft(tmp_path, offload):
+    """ZeRO 3 with the optimizer (and parameters) offloaded: only the adapters' state is
+    offloaded, the losses stay PEFT's."""
+    import zeal
+
+    write_initial_adapter(tmp_path)
+    cfg = engine_config(tmp_path, 3)
+    cfg["zero_optimization"].update(offload)
+    engine = zeal.initialize(zeal_model(), cfg)
+    got = zeal_losses(engine, None)
+    engine.close()
+    _close(got, peft_losses(), f"offload {sorted(offload)}")

@@ -72,6 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="plan one long sequence: sequence-parallel size x ALST tiling x checkpointing (taken by "
                         "--budget from --seq-len 16384 on; docs/long_context.md)")
     p.add_argument("--max-sp", type=int, default=64, help="largest sequence_parallel_size tried (default 64)")
+    p.add_argument("--lora", nargs="?", const="", metavar="K=V,...",
+                   help="plan LoRA / QLoRA (zeal train's flag, e.g. r=16,target_modules=all-linear,quantize_base=int4;"
+                        " a lora section of --config counts too): frozen base, adapter states, quantized base bytes")
     return p
 
 
@@ -88,6 +91,23 @@ def _shape(args: argparse.Namespace) -> ModelShape:
     if min(args.n_layer, args.n_embd, args.n_head, args.vocab_size) < 1 or args.n_embd % args.n_head:
         raise ValueError(f"--n-embd {args.n_embd} must be a positive multiple of --n-head {args.n_head}")
     return gpt_shape(args.n_layer, args.n_embd, args.n_head, args.vocab_size, args.seq_len)
+
+
+def _lora(args: argparse.Namespace, section):
+    """The :class:`LoraSpec` of ``--lora`` or of the config's enabled ``lora`` section (None: full training)."""
+    from zeal.cli.lora_flag import parse_lora_flag
+    from zeal.config.lora import LoraConfig
+    from zeal.zero.estimate_lora import LoraSpec
+
+    if args.lora is not None:
+        section = LoraConfig(**parse_lora_flag(args.lora))
+    if section is None or not section.enabled:
+        return None
+    hf = {}
+    if args.hf_config:
+        path = Path(args.hf_config)
+        hf = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    return LoraSpec.from_config(section, hf.get("num_key_value_heads"), hf.get("head_dim"))
 
 
 def _values(p: Plan) -> tuple[int, ...]:
@@ -109,13 +129,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-    micro, precision, chosen_stage, ckpt = 8, "bf16", None, args.checkpointing
+    micro, precision, chosen_stage, ckpt, lora_section = 8, "bf16", None, args.checkpointing, None
     if args.config:
         cfg = load_config(args.config, AutoValues(micro_batch=args.micro_batch, strict=False))  # sizes only
         _, micro, _ = cfg.resolve_batch(args.world_size)
         precision = "bf16" if cfg.bf16.enabled else "fp16" if cfg.fp16.enabled else "fp32"
         chosen_stage = cfg.zero_optimization.stage
         ckpt = ckpt or cfg.activation_checkpointing is not None
+        lora_section = cfg.lora
     micro = args.micro_batch if args.micro_batch is not None else micro
     precision = args.precision or precision
     if micro < 1 or args.seq_len < 1:
@@ -126,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-sp must be >= 1, got {args.max_sp}")
         return run_long(args, shape, precision)
     kw = dict(seq_len=args.seq_len, mixed_precision=precision != "fp32", flash_attention=not args.no_flash,
-              host=args.device == "cpu")
+              host=args.device == "cpu", lora=_lora(args, lora_section))
     plans = all_plans(shape, args.world_size, micro_batch=micro, checkpointing=ckpt, **kw)
     budget = parse_bytes(args.budget) if args.budget else None
     cpu_budget = parse_bytes(args.cpu_budget) if args.cpu_budget else None
@@ -141,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
                           "recommended": None if best is None else best.ds_config(),
                           "recommended_plan": None if best is None else _plan_json(best)}, indent=2))
         return 0 if budget is None or best is not None else 1
+    if kw["lora"] is not None:
+        print(plans[0].notes[0])
     print(f"{shape.name}: {shape.num_params / 1e6:.2f}M parameters; world size {args.world_size}; "
           f"micro-batch {micro} x seq {args.seq_len}; {precision}"
           f"{' mixed precision' if precision != 'fp32' else ''}, Adam"

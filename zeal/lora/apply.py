@@ -13,6 +13,7 @@ base alone (the RLHF reference policy: no second copy of the model).
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -56,8 +57,12 @@ class LoraState:
         """The PEFT adapter held in ``state`` (full tensors by parameter name)."""
         from zeal.lora.peft_folder import LoraPair
 
-        lora = {m: LoraPair(state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"], mod.scaling)
-                for m, mod in self.modules.items()}
+        # every adapted module in ``state``: with ep, other ranks' experts gathered in (not in self.modules
+        # when the layer was built after init_process_group, holding only this rank's experts)
+        paths = {n[: -len(".lora_A.weight")] for n in state if n.endswith(".lora_A.weight")} | set(self.modules)
+        lora = {m: LoraPair(state[f"{m}.lora_A.weight"], state[f"{m}.lora_B.weight"],
+                            self.modules[m].scaling if m in self.modules else self.peft.scaling_for(m))
+                for m in sorted(paths)}
         return PeftAdapter(self.peft, lora, {n: state[n] for n in self.saved})
 
 
@@ -101,8 +106,9 @@ def apply_lora(model: nn.Module, lc: LoraConfig | PeftLoraConfig, seed: int = 0,
     docstring. ``lc`` is a ``lora`` config section or a PEFT config; adapter weights come
     from the section's ``adapter`` folder, else from PEFT's initialisation with a
     generator seeded by ``seed`` (so every rank draws the same). Raises ValueError (one
-    line) for a target that matches nothing, a target that is not a linear, an expert's
-    linear (MoE), or an adapter folder that does not fit the model."""
+    line) for a target that matches nothing, a target that is not a linear, or an adapter
+    folder that does not fit the model. An MoE expert's linear gets an adapter of its own,
+    marked as an expert parameter (it lives on the expert's ep rank, reduced over edp)."""
     section = lc if isinstance(lc, LoraConfig) else None
     peft = peft_config_from(lc) if section is not None else lc
     quant = quantize_base if quantize_base is not None else (section.quantize_base if section else "none")
@@ -119,18 +125,19 @@ def apply_lora(model: nn.Module, lc: LoraConfig | PeftLoraConfig, seed: int = 0,
         m = model.get_submodule(t)
         if not isinstance(m, nn.Linear):
             raise ValueError(f"lora target '{t}' is a {type(m).__name__}; zeal adapts nn.Linear modules only")
-        if any(is_expert_param(p) for p in m.parameters()) or ".experts." in f".{t}.":
-            raise ValueError(f"lora target '{t}' is inside an MoE expert; zeal does not adapt experts yet "
-                             "(exclude them, e.g. target_modules: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])")
     for p in model.parameters():
         p.requires_grad_(False)
-    gen = torch.Generator().manual_seed(int(seed))
     how = {True: "default", "gaussian": "gaussian", False: "zeros_a"}[peft.init_lora_weights]
     modules: dict[str, LoraLinear] = {}
     for t in targets:
         base = model.get_submodule(t)
         mod = LoraLinear(base, peft.rank_for(t), peft.scaling_for(t), peft.lora_dropout, quant, block)
-        mod.init_adapter(how, gen)
+        # one generator per module path: an adapter's init does not depend on which other modules this
+        # rank holds (MoE experts built after init_process_group, pipeline stages)
+        mod.init_adapter(how, torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(t.encode())) % 2**63))
+        if base.weight is not None and is_expert_param(base.weight):  # a per-expert adapter lives with its expert
+            for f in (mod.lora_A.weight, mod.lora_B.weight):
+                f.allreduce, f.group_name = False, getattr(base.weight, "group_name", None)
         _set_module(model, t, mod)
         modules[t] = mod
     saved: list[str] = []

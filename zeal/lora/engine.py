@@ -31,9 +31,9 @@ def lora_step(model: nn.Module, cfg: Config) -> LoraState | None:
     lc = cfg.lora
     if not lc.enabled:
         return None
-    if cfg.pipeline_parallel.size > 1:
-        raise ConfigError("lora with pipeline_parallel.size > 1 is not supported yet (use ZeRO 3 or tensor "
-                          "parallelism to spread the frozen base)")
+    if cfg.pipeline_parallel.size > 1 and (lc.modules_to_save or lc.bias != "none"):
+        raise ConfigError("lora.modules_to_save and lora.bias are not supported with pipeline_parallel.size > 1 "
+                          "(only the low-rank factors are gathered across stages)")
     if any(p.is_meta for p in model.parameters()):
         raise ConfigError("lora needs the base model's weights loaded: the model is on the meta device "
                           "(fine-tune a pretrained model: zeal train --model PATH --lora ...)")
@@ -77,10 +77,33 @@ def adapter_state(engine: Any) -> dict[str, torch.Tensor]:
         from zeal.parallel.tensor import gather_full
 
         state = gather_full(tp, state)
+    mesh = getattr(engine, "mesh", None)
+    if mesh is not None and mesh.ep_size > 1:  # per-expert adapters: every expert from its ep rank
+        from zeal.moe.layout import gather_experts
+
+        state = gather_experts(mesh.ep, state, engine.module)
+    if mesh is not None and mesh.pp_size > 1:
+        state = _from_every_stage(mesh.pp, lora, wanted, state)
     missing = wanted - set(state)
     if missing:
         raise RuntimeError(f"adapter parameters not found in the engine: {sorted(missing)[:3]}")
     return state
+
+
+def _from_every_stage(pp: Any, lora: LoraState, wanted: set[str], state: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+    """Under pipeline parallelism each stage holds its layers' adapters: every tensor is
+    summed over the pp group from the one stage that has it (zeros elsewhere; shapes from
+    the apply-step's record, which still holds the other stages' modules)."""
+    shapes = {f"{m}.{k}.weight": tuple(getattr(mod, k).weight.shape) for m, mod in lora.modules.items()
+              for k in ("lora_A", "lora_B")}
+    out = {}
+    for name in sorted(wanted):
+        t = state.get(name)
+        t = t.clone() if t is not None else torch.zeros(shapes[name])
+        pp.all_reduce(t, "lora")
+        out[name] = t
+    return out
 
 
 def save_adapter(engine: Any, path: str | os.PathLike) -> Path:

@@ -21,7 +21,8 @@ from torch import nn
 from zeal.inference.llm import LLM
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
-from zeal.rlhf.adapters import sync_stream
+from zeal.lora.apply import find_lora
+from zeal.rlhf.adapter_sync import ServingAdapters, adapter_names, adapter_stream, base_stream
 
 
 @dataclass
@@ -102,6 +103,9 @@ class HybridEngine:
         #: log-probs of ratios and KL from the training side
         self.exact_logprobs = next(model.parameters()).dtype == actor_dtype
         self.llm = LLM(model, tokenizer, eos_token_ids=eos_token_ids, **llm_kwargs)
+        self._lora = find_lora(module)  # LoRA: the serving copy holds the base once, syncs move the adapters
+        self.adapters = ServingAdapters(model, self._lora) if self._lora else None
+        self._base_synced = False
         self.times = PhaseTimes()
         self.num_syncs = 0
         self.sync_weights()
@@ -113,7 +117,14 @@ class HybridEngine:
         calls it; at ZeRO-3 unit by unit). Returns the number of tensors copied."""
         t0 = time.perf_counter()
         was_training = self.engine.module.training
-        n = self.llm.load_weights((name, p.detach()) for name, p in sync_stream(self.engine))  # LoRA: merged
+        if self.adapters is None:
+            n = self.llm.load_weights((name, p.detach()) for name, p in self.engine.iter_gathered_parameters())
+        elif self._base_synced and not getattr(self.llm.engine, "_weights_discarded", False):
+            rest = self.adapters.load(adapter_stream(self.engine, self._lora))  # the base stays as loaded
+            n = 2 * len(self._lora) + self.llm.load_weights(iter(rest))  # (also drops the cached prefixes)
+        else:  # the base once (a QLoRA base dequantized), the adapters beside it
+            n = self.llm.load_weights(base_stream(self.engine, self._lora, self.adapters)) + 2 * len(self._lora)
+            self._base_synced = True
         self.engine.module.train(was_training)
         self.num_syncs += 1
         self.times.sync += time.perf_counter() - t0
@@ -124,7 +135,8 @@ class HybridEngine:
         """A copy of the actor's current weights (every rank calls it; at ZeRO-3 unit by
         unit), for :meth:`load_snapshot` on another thread while the actor trains on."""
         was_training = self.engine.module.training
-        snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters()]
+        only = adapter_names(self.engine.module, self._lora) if self.adapters is not None else None
+        snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters(only)]
         self.engine.module.train(was_training)
         return snap
 
@@ -132,7 +144,8 @@ class HybridEngine:
     def load_snapshot(self, weights: list[tuple[str, torch.Tensor]]) -> int:
         """Copy a :meth:`snapshot_weights` into the serving model (no collective: any thread
         that is not generating at the time)."""
-        n = self.llm.load_weights(iter(weights))
+        rest = self.adapters.load(weights) if self.adapters is not None else weights
+        n = self.llm.load_weights(iter(rest)) + len(weights) - len(rest)
         self.num_syncs += 1
         return n
 

@@ -335,16 +335,16 @@ class TrainEngine:
             with self._p.coordinator.gathered():
                 yield
 
-    def iter_gathered_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_gathered_parameters(self, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, full parameter)`` of the whole model, every rank together; at stage 3
         one unit is gathered at a time (released once the caller moves past it), so a
         weight sync never holds the whole model twice. Values are valid only until the
-        next item is asked for."""
+        next item is asked for. ``only``: just these names (at stage 3 only their units are gathered)."""
         if self._p.coordinator is None:
-            yield from self.module.named_parameters()
+            yield from ((n, p) for n, p in self.module.named_parameters() if only is None or n in only)
             return
-        for named in self._p.coordinator.gathered_one_by_one():
-            yield from named
+        for named in self._p.coordinator.gathered_one_by_one(only):
+            yield from ((n, p) for n, p in named if only is None or n in only)
 
     def module_state_dict(self) -> dict[str, torch.Tensor]:
         """The full model state (parameters in fp32 from the masters where they exist,

@@ -285,9 +285,10 @@ def step_temporary_bytes(num_params: int, world_size: int, stage: int, mixed_pre
 
 def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", *, micro_batch: int = 1,
          seq_len: int = 1024, mixed_precision: bool = True, flash_attention: bool = True,
-         checkpointing: bool = False, host: bool = True) -> Plan:
+         checkpointing: bool = False, host: bool = True, lora=None) -> Plan:
     """Where each byte lives, per rank, at the peak of a step (see the module docstring).
-    ``host``: training on CPU, so the process baseline and glibc's heap slack count."""
+    ``host``: training on CPU, so the process baseline and glibc's heap slack count.
+    ``lora``: a :class:`zeal.zero.estimate_lora.LoraSpec` (adapters on a frozen base)."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
     if offload != "none" and stage == 0:
@@ -296,6 +297,12 @@ def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", 
         raise ValueError(f"offload {offload} needs zero_optimization.stage 3")
     if micro_batch < 1 or seq_len < 1:
         raise ValueError("micro-batch and sequence length must be >= 1")
+    if lora is not None:
+        from zeal.zero.estimate_lora import lora_plan
+
+        return lora_plan(shape, world_size, stage, offload, lora, micro_batch=micro_batch, seq_len=seq_len,
+                         mixed_precision=mixed_precision, flash_attention=flash_attention,
+                         checkpointing=checkpointing, host=host)
     states = model_state_bytes(shape.num_params, world_size, stage, mixed_precision)
     c = 2 if mixed_precision else 4
     kept, transient = activation_parts(shape, micro_batch, seq_len, c, flash_attention, checkpointing)

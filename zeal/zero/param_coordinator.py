@@ -372,13 +372,15 @@ class ParamCoordinator:
                 self._ctx_holds[u.index] -= 1
                 self._release(u)
 
-    def gathered_one_by_one(self) -> Iterator[list[tuple[str, nn.Parameter]]]:
+    def gathered_one_by_one(self, only: set[str] | None = None) -> Iterator[list[tuple[str, nn.Parameter]]]:
         """The units' full ``(name, parameter)`` lists, one unit gathered at a time (the
-        next one's gather overlapping the caller's use); each is released after use."""
-        for i, u in enumerate(self.units):
+        next one's gather overlapping the caller's use); each is released after use.
+        ``only``: just the units holding one of these parameter names (the rest are not gathered)."""
+        units = self.units if only is None else [u for u in self.units if not only.isdisjoint(u.names)]
+        for i, u in enumerate(units):
             self._gather_now(u)
-            if i + 1 < len(self.units):
-                self._start_gather(self.units[i + 1])
+            if i + 1 < len(units):
+                self._start_gather(units[i + 1])
             self._ctx_holds[u.index] += 1
             try:
                 yield list(zip(u.names, u.params))
