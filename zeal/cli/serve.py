@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from zeal.config.inference import DTYPE_NAMES, InferenceConfig, resolve_dtype
+from zeal.config.inference import DTYPE_NAMES, InferenceConfig, resolve_dtype  # noqa: F401 - re-exported
 
 DTYPES = DTYPE_NAMES  # the accepted --dtype spellings
 
@@ -185,28 +185,12 @@ def build(cfg: InferenceConfig | argparse.Namespace):
 
 def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):
     """Rank 0's engine thread over the split model; None on the other ranks (after serving)."""
-    import torch
-
     from zeal.inference.async_engine import AsyncEngine
-    from zeal.inference.engine import LLMEngine
-    from zeal.inference.tensor_parallel import load_split
+    from zeal.inference.build import build_engine
 
-    if cfg.weights_offload != "none":
-        raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
-                         f"{cfg.tensor_parallel_size}")
-    if cfg.quantized_matmul != "off":
-        raise ValueError(f"--quantized-matmul {cfg.quantized_matmul} is not supported with --tensor-parallel-size "
-                         f"{cfg.tensor_parallel_size}")
-    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
-    model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)
-    if not tp.is_driver:
-        tp.serve(model)
+    engine = build_engine(cfg, on_rank_death=_exit_on_rank_death)
+    if engine is None:
         return None
-    try:
-        engine = LLMEngine(model, tok, cfg.engine, eos, tp=tp)
-    except BaseException:
-        tp.shutdown()
-        raise
     _exit_on_rank_death.aengine = AsyncEngine(engine, max_waiting)
     return _exit_on_rank_death.aengine
 
