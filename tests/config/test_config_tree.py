@@ -117,3 +117,27 @@ def test_rlhf_flags_come_from_the_rlhf_section(capsys):
     missing = [flag_of(p, info)[0] for p, info in leaves(RLHFConfig) if flag_of(p, info)[0] not in out]
     assert not missing, missing
     assert "--kl-coef" in out and "(default: 0.1)" in out and "--no-share-prompt" in out
+
+
+def test_train_section_flags_come_from_the_job_tree(capsys, tmp_path):
+    """`zeal train` has one --section.leaf flag per leaf of the job's model/data/job/process
+    sections (typed as dotted overrides are, help and default from the field); the named
+    flags keep working and win below them, as before."""
+    from zeal.cli.config_flags import leaves
+    from zeal.cli.main import build_parser, main
+    from zeal.cli.train import JOB_SECTIONS, build_spec
+
+    parser, _ = build_parser("train")
+    args, extra = parser.parse_known_args(["train", "--steps", "7", "--model.n_layer", "3", "--job.checkpoint",
+                                           "false", "--job.eval-interval", "5", "--process.num_threads", "2",
+                                           "--job.steps", "9", "--run-dir", str(tmp_path / "r")])
+    assert extra == ["--job.eval-interval", "5"]  # a dashed spelling still reaches the dotted overrides
+    spec = build_spec(args, extra)
+    assert (spec.model.n_layer, spec.job.checkpoint, spec.job.eval_interval, spec.process.num_threads) == (3, False, 5, 2)
+    assert spec.job.steps == 9  # the dotted flag after the named --steps, as before
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    missing = [f"--{s}.{p}" for s in JOB_SECTIONS for p, _ in leaves(JobSpec.model_fields[s].annotation)
+               if f"--{s}.{p}" not in out]
+    assert not missing, missing

@@ -120,3 +120,24 @@ def argv_of(args: argparse.Namespace, model: type[BaseModel], names: Names | Non
         else:
             out += [flag, *map(str, value if isinstance(value, list) else [value])]
     return out
+
+
+def add_dotted_flags(p: argparse.ArgumentParser, model: type[BaseModel], section: str,
+                     value_type: typing.Callable[[str], Any] = str) -> None:
+    """``--<section>.<leaf>`` for every leaf of ``model`` (dest: the same dotted path), each
+    taking one value parsed by ``value_type``, its help and default from the field. A flag the
+    parser already has is left as it is."""
+    for path, info in leaves(model):
+        flag = f"--{section}.{path}"
+        if flag in p._option_string_actions:
+            continue
+        desc = (info.description or "").rstrip(".")
+        if info.default is not None and not info.is_required() and info.default_factory is None:
+            desc += f" (default: {info.default})"
+        p.add_argument(flag, dest=f"{section}.{path}", type=value_type, default=None, metavar="VALUE", help=desc)
+
+
+def dotted_values(args: argparse.Namespace, model: type[BaseModel], section: str) -> list[tuple[list[str], Any]]:
+    """``[(path, value)]`` of the ``--<section>.<leaf>`` flags given (see :func:`add_dotted_flags`)."""
+    return [([section, *path.split(".")], value) for path, _ in leaves(model)
+            if (value := getattr(args, f"{section}.{path}", None)) is not None]
