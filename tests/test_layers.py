@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("zero",),                             # where every byte lives
     ("compression", "pipe"),               # N:M/QAT (over ZeRO shards); pipeline stages and schedules
     ("parallel",),                         # tensor / vocab parallelism, the tp RNG tracker
-    ("moe",),                              # experts, dispatch, expert parallelism (over tp, pp and ZeRO)
+    ("moe",),                              # moe's apply side: expert parallelism (over tp, pp and ZeRO)
     ("checkpoint",),                       # save / load / export over the sharded-state API
     ("lora",),                             # LoRA / QLoRA adapters, PEFT folders (over tp, moe, checkpoint files)
     ("train", "inference"),                # the training engine; the serving engine (neither knows the other)
