@@ -2,7 +2,7 @@
 jobs (SFT, RM, PPO, DPO, GRPO), one typed section (DeepSpeed-Chat's and TRL's defaults where
 they exist). An RLHF job's config file is a DeepSpeed JSON for the engine plus this section
 under ``rlhf`` (:func:`zeal.rlhf.config.split_config`); ``zeal rlhf``'s flags are derived
-from its fields (:mod:`zeal.cli.config_flags`), as ``zeal serve``'s are from the
+from its fields (by the command line's config_flags module), as ``zeal serve``'s are from the
 ``inference`` section."""
 
 from __future__ import annotations
