@@ -44,11 +44,15 @@ def inference_config(model: str | os.PathLike | None = None, dtype: torch.dtype 
     one :func:`zeal.inference.build.build_engine` builds from (and ``zeal serve`` builds from
     its flags). A torch dtype becomes its name; a refused value or combination raises
     ``ValueError`` naming the field."""
-    name = str(torch_dtype(dtype, str(device))).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
-    if isinstance(name, str) and name.lower() not in DTYPE_NAMES:
-        torch_dtype(name)  # raises, naming the accepted spellings
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype} is not one of {sorted(set(DTYPE_NAMES.values()) - {'auto'})}")
+    else:
+        torch_dtype(dtype)  # a name it does not know (or not a name): ValueError naming the accepted ones
+        name = dtype.lower()
     try:
-        return InferenceConfig(model=None if model is None else str(model), dtype=name.lower(), device=str(device),
+        return InferenceConfig(model=None if model is None else str(model), dtype=name, device=str(device),
                                **fields)
     except ValidationError as e:
         raise ValueError(format_validation_error(e)) from None
