@@ -24,11 +24,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("utils",),                            # process settings, cache folder, CPU features
     ("config",),                           # the typed config tree ("auto" resolved here)
     ("dist",),                             # contexts, the mesh, accounted Comms, forensics
+    ("moe.layer",),                        # the MoE layer a model holds: gating, dispatch, experts
     ("precision", "models", "data"),       # dtypes/loss scaling; plain model code; corpora, samplers
     ("zero",),                             # where every byte lives
     ("compression", "pipe"),               # N:M/QAT (over ZeRO shards); pipeline stages and schedules
     ("parallel",),                         # tensor / vocab parallelism, the tp RNG tracker
-    ("moe",),                              # experts, dispatch, expert parallelism (over tp, pp and ZeRO)
+    ("moe",),                              # moe's apply side: expert parallelism (over tp, pp and ZeRO)
     ("checkpoint",),                       # save / load / export over the sharded-state API
     ("lora",),                             # LoRA / QLoRA adapters, PEFT folders (over tp, moe, checkpoint files)
     ("train", "inference"),                # the training engine; the serving engine (neither knows the other)
@@ -43,13 +44,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     # utils → config: apply_process_settings validates a dict with the section's model.
     # Out: take a ProcessConfig only, or move process.py into config/.
     ("zeal.utils.process", "zeal.config.process"): "process settings validated by their config section",
-    # models → moe: the MoE MLP block is built from moe's layer (a model component), and
-    # moe/__init__ pulls the apply side with it. Out: the layer (gating, dispatch, experts)
-    # below models, the apply side (apply, zero, layout, tensor, recompute) above.
-    ("zeal.models.moe_mlp", "zeal.moe"): "MoE MLP block uses moe's layer",
-    # models → compression: loading a compressed-tensors folder dequantizes it.
-    # Out: the decompressor registered by compression, or hf.py's loader moved up.
-    ("zeal.models.hf", "zeal.compression.export"): "compressed-tensors folders dequantized on load",
     ("zeal.checkpoint.export", "zeal.lora.merge"): "export --merge-lora folds a checkpoint's adapters in",
     # pipe → train: PipelineEngine is a TrainEngine for one stage (train/build.py builds it).
     # Out: pipe/engine.py moves into train/.
@@ -58,8 +52,18 @@ ALLOWED: dict[tuple[str, str], str] = {
 }
 
 
+# Modules placed apart from their package. zeal.moe has two sides: the layer (a model
+# component: the nn.Module a model's MoE block holds, importing only dist) below models, and
+# the apply side (apply, zero, tensor, layout and the package's __init__, whose apply-side
+# names load lazily) above parallel and zero.
+UNITS: dict[str, str] = {f"zeal.moe.{m}": "moe.layer" for m in ("layer", "gating", "dispatch", "mappings", "recompute")}
+
+
 def _package(module: str) -> str:
-    """``zeal.zero.apply`` → ``zero``; ``zeal`` (the root) → ``zeal``."""
+    """``zeal.zero.apply`` → ``zero``; ``zeal`` (the root) → ``zeal``; a module of ``UNITS``
+    → its unit (``zeal.moe.layer`` → ``moe.layer``)."""
+    if module in UNITS:
+        return UNITS[module]
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "zeal"
 
@@ -114,7 +118,7 @@ def crossings(root: Path = ROOT) -> dict[tuple[str, str], list[str]]:
 
 def test_every_package_has_a_layer():
     packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists() or
-                (p.is_dir() and any(p.glob("*.py")))} | {"zeal"}
+                (p.is_dir() and any(p.glob("*.py")))} | {"zeal"} | set(UNITS.values())
     placed = [pkg for layer in LAYERS for pkg in layer]
     assert len(placed) == len(set(placed)), "a package is placed twice"
     assert packages == set(placed), (f"not placed: {sorted(packages - set(placed))}; "
@@ -139,6 +143,10 @@ def test_nothing_outside_the_cli_imports_it():
     """The serving engine is built in zeal/inference/build.py, not by the ``serve`` command."""
     assert not [edge for edge in crossings() if _package(edge[1]) == "cli"]
     assert not [edge for edge in ALLOWED if _package(edge[1]) == "cli"]
+    # the issue's check: not even a docstring names it (`grep -rn "zeal.cli" zeal | grep -v ^zeal/cli/`)
+    named = [str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+             if p.parent.name != "cli" and "zeal.cli" in p.read_text()]
+    assert not named, named
 
 
 @pytest.mark.parametrize("source,expected", [
@@ -163,3 +171,119 @@ def test_an_upward_import_fails(tmp_path):
     (pkg / "zero" / "apply.py").write_text("import torch\n\ndef f():\n    from zeal.train.engine import E\n")
     (pkg / "train" / "engine.py").write_text("from zeal.zero.apply import f\nfrom zeal.utils import x\n")
     assert crossings(pkg) == {("zeal.zero.apply", "zeal.train.engine"): ["zeal/zero/apply.py:4"]}
+
+
+# -- the models rule ---------------------------------------------------------------------------
+# DESIGN: the model stays a plain single-device nn.Module; tensor/pipeline parallelism, ZeRO,
+# compression and the MoE apply-step are applied to it from above (policies, loaders and
+# split rules are handed in). So nothing that models/ loads, directly or through what it
+# imports, may be one of these, or anything above models in LAYERS.
+MODELS_MAY_NOT_LOAD = ("parallel", "pipe", "zero", "compression", "moe", "precision", "data")
+
+
+def _source(module: str, root: Path) -> Path | None:
+    base = root.parent.joinpath(*module.split("."))
+    return base / "__init__.py" if (base / "__init__.py").exists() else (
+        base.with_suffix(".py") if base.with_suffix(".py").exists() else None)
+
+
+@functools.cache
+def _edges(module: str, root: Path) -> list[str]:
+    """The modules importing ``module`` can load: every import statement, lazy ones included
+    (``from P import n`` also names ``P.n`` when that is a module), except the body of a
+    package's module-level ``__getattr__`` (PEP 562: it runs on attribute access only)."""
+    path = _source(module, root)
+    if path is None:
+        return []
+    tree = ast.parse(path.read_text())
+    if path.name == "__init__.py":
+        tree.body = [n for n in tree.body if not (isinstance(n, ast.FunctionDef) and n.name == "__getattr__")]
+    out = []
+    for target, _ in imports_of(ast.unparse(tree), module, path.name == "__init__.py"):
+        out.append(target)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = imports_of(ast.unparse(ast.Module([node], [])), module, path.name == "__init__.py")
+            for (pkg, _), alias in ((b, a) for b in base[:1] for a in node.names):
+                if pkg != "zeal" and _source(f"{pkg}.{alias.name}", root) is not None:
+                    out.append(f"{pkg}.{alias.name}")
+    return out
+
+
+def loaded_by(module: str, root: Path = ROOT) -> dict[str, str]:
+    """Every zeal module that importing ``module`` (and calling its functions) can load →
+    the module that imports it. Parent packages are run (their module-level imports count)
+    but are not themselves counted: importing ``zeal.moe.layer`` runs ``zeal/moe/__init__.py``."""
+    seen: dict[str, str] = {}
+    todo, ran = [module], set()
+    while todo:
+        m = todo.pop()
+        if m in ran:
+            continue
+        ran.add(m)
+        parts = m.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # the parents run first
+        for target in _edges(m, root):
+            if target not in seen and target != module:
+                seen[target] = m
+            todo.append(target)
+    return seen
+
+
+def models_violations(root: Path = ROOT) -> list[str]:
+    layer = _layer_of()
+    bad = []
+    for path in sorted((root / "models").rglob("*.py")):
+        start = _module_name(path, root)
+        for target, via in sorted(loaded_by(start, root).items()):
+            unit = _package(target)
+            if unit != "models" and (unit in MODELS_MAY_NOT_LOAD or layer.get(unit, 99) >= layer["models"]):
+                bad.append(f"{start} loads {target} (imported by {via})")
+    return bad
+
+
+def test_models_know_no_parallelism():
+    """models/ loads none of parallel, pipe, zero, compression, moe's apply side (nor any
+    package at or above its layer), lazy imports and package __init__s included."""
+    bad = models_violations()
+    assert not bad, "model code must stay plain (inject from the apply-steps instead):\n" + "\n".join(bad)
+
+
+def test_the_models_rule_can_fail(tmp_path):
+    """A lazy import of the TP apply-step, and a layer module whose package __init__ pulls
+    the apply side at import: both found; a lazy re-export in __getattr__ is not."""
+    pkg = tmp_path / "zeal"
+    for name in ("models", "moe", "parallel", "dist"):
+        (pkg / name).mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "dist" / "__init__.py").write_text("")
+    (pkg / "parallel" / "__init__.py").write_text("")
+    (pkg / "parallel" / "tensor.py").write_text("")
+    (pkg / "moe" / "layer.py").write_text("from zeal.dist import x\n")
+    (pkg / "moe" / "apply.py").write_text("")
+    (pkg / "models" / "__init__.py").write_text("")
+    (pkg / "models" / "block.py").write_text("from zeal.moe.layer import MoE\n")
+    (pkg / "models" / "tp.py").write_text("def f():\n    from zeal.parallel import tensor\n")
+    (pkg / "moe" / "__init__.py").write_text("def __getattr__(n):\n    from zeal.moe import apply\n")
+    assert models_violations(pkg) == ["zeal.models.tp loads zeal.parallel (imported by zeal.models.tp)",
+                                      "zeal.models.tp loads zeal.parallel.tensor (imported by zeal.models.tp)"]
+    (pkg / "moe" / "__init__.py").write_text("from zeal.moe.apply import apply_moe\n")
+    _edges.cache_clear()  # the file changed
+    assert "zeal.models.block loads zeal.moe.apply (imported by zeal.moe)" in models_violations(pkg)
+
+
+@pytest.mark.timeout(60)
+def test_importing_the_models_loads_no_parallelism():
+    """The same rule at run time: a fresh interpreter that imports every models module."""
+    import subprocess
+    import sys
+
+    mods = [_module_name(p, ROOT) for p in sorted((ROOT / "models").rglob("*.py"))]
+    code = f"import sys\nfor m in {mods!r}:\n    __import__(m)\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50,
+                         cwd=ROOT.parent, check=True).stdout.split()
+    layer = _layer_of()
+    loaded = {m for m in out if m.startswith("zeal.") and m not in ("zeal.moe",)}
+    assert not [m for m in loaded if _package(m) in MODELS_MAY_NOT_LOAD or layer[_package(m)] >= layer["models"]
+                and _package(m) != "models"]
+    assert "zeal.models.hf" in loaded and "zeal.moe.layer" in loaded  # the check saw the imports

@@ -35,6 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from zeal.cli.main import main as zeal_main
 from zeal.compression.calibration import blocks, split_text
+from zeal.compression.export import decompress_state
 from zeal.compression.modules import linear_targets
 from zeal.inference.llm import resolve_model_path
 from zeal.models.hf import load_hf_model
@@ -78,7 +79,7 @@ def _zeal_tokens(folder: Path, prompts: list[list[int]], new_tokens: int, dtype:
 @torch.no_grad()
 def _zeal_logprobs(folder: Path, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """log p(x_t | x_<t) under zeal's model of ``folder`` (weights dequantized on load)."""
-    model, _ = load_hf_model(folder, dtype)
+    model, _ = load_hf_model(folder, dtype, state_transform=decompress_state)
     lg = model.eval()(x)
     lg = (lg.logits if hasattr(lg, "logits") else lg)[:, :-1].float()
     return torch.log_softmax(lg, -1).gather(-1, x[:, 1:, None]).squeeze(-1)
@@ -89,7 +90,7 @@ def _first_diff(a: list[int], b: list[int]) -> int:
 
 
 def _weights_vs_zeal(folder: Path, dense_file: str) -> dict:
-    ours, _ = load_hf_model(folder)
+    ours, _ = load_hf_model(folder, state_transform=decompress_state)
     theirs = load_file(dense_file)
     worst, equal = 0.0, 0
     targets = linear_targets(ours)

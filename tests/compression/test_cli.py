@@ -7,6 +7,7 @@ import torch
 
 from tests.inference.conftest import VOCAB, _save_tokenizer
 from zeal.cli.main import main
+from zeal.compression.export import decompress_state
 from zeal.compression.nm import group_density
 from zeal.models.hf import load_hf_model, save_hf_folder
 from zeal.models.llama import Llama, LlamaConfig
@@ -31,7 +32,7 @@ def test_compress_admm_w4_writes_a_folder_that_reloads_sparse_and_quantized(tmp_
     log = capsys.readouterr().out
     report = json.loads(log.strip().splitlines()[-1])
     assert report["ppl_before"] > 1 and report["ppl_after"] > 1
-    model, cfg = load_hf_model(out)
+    model, cfg = load_hf_model(out, state_transform=decompress_state)
     assert cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["num_bits"] == 4
     w = model.model.layers[0].mlp.down_proj.weight
     assert bool((group_density(w != 0, 4) <= 2).all())

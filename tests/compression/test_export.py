@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from zeal.compression.export import decompress_state
 from zeal.compression.modules import QuantSpec, apply_masks_, linear_targets, magnitude_masks, swap_qat
 from zeal.compression.quant import quantize_dequantize
 from zeal.models.hf import load_hf_model, save_hf_folder
@@ -45,7 +46,9 @@ def test_export_reloads_fake_quantized_weights_and_serves_the_same_greedy_tokens
     # vLLM 0.32 refuses a sparsity config that lists targets (compressed-tensors dropped sparse compression)
     assert not qc["sparsity_config"].get("targets") and qc["sparsity_config"]["ignore"] == ["lm_head"]
 
-    loaded, _ = load_hf_model(folder)
+    with pytest.raises(ValueError, match="compressed-tensors weights"):  # model code reads no stored format
+        load_hf_model(folder)
+    loaded, _ = load_hf_model(folder, state_transform=decompress_state)
     for name, lin in targets.items():
         want = quantize_dequantize(lin.weight.detach(), *quant[name])
         got = loaded.get_submodule(name).weight
@@ -73,7 +76,7 @@ def test_hugging_face_reads_the_export_with_the_same_weights(tmp_path):
     targets = linear_targets(model)
     folder = save_hf_folder(model, tmp_path / "m")
     export_compressed(folder, {n: (4, 32) for n in targets}, ignore=["lm_head"])
-    ours, _ = load_hf_model(folder)
+    ours, _ = load_hf_model(folder, state_transform=decompress_state)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     x = torch.tensor([[1, 5, 9, 20, 33]])
     with torch.no_grad():  # (the first forward decompresses HF's modules)
@@ -109,6 +112,6 @@ def test_sparse_export_records_no_target_list_and_sparse_only_is_a_plain_folder(
     export_compressed(folder, {}, {n: (2, 4) for n in targets}, ignore=["lm_head"])
     assert "quantization_config" not in json.loads((folder / "config.json").read_text())
     assert (folder / "model.safetensors").read_bytes() == before
-    loaded, _ = load_hf_model(folder)
+    loaded, _ = load_hf_model(folder, state_transform=decompress_state)
     for name, w in want.items():
         assert torch.equal(loaded.get_submodule(name).weight, w), name

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from zeal.config import Config, InferenceConfig, JobSpec, ProcessConfig
+from zeal.config import Config, InferenceConfig, JobSpec, ProcessConfig, RLHFConfig
 from zeal.config.inference import EngineConfig, ServerLimits
 
 pytestmark = pytest.mark.timeout(60)
-ROOTS = (Config, JobSpec, InferenceConfig)
+ROOTS = (Config, JobSpec, InferenceConfig, RLHFConfig)
 
 
 def _sections(model: type[BaseModel], seen: set | None = None):
@@ -85,3 +85,59 @@ def test_serve_flags_come_from_the_inference_section(capsys):
 def test_bad_serve_values_name_the_key():
     with pytest.raises(ValueError, match="engine.max_num_seqs"):
         _serve_args(["--max-num-seqs", "0"])
+
+
+def test_the_rlhf_section_is_in_the_tree():
+    from zeal.rlhf.config import RLHFConfig as where_it_lived
+
+    assert where_it_lived is RLHFConfig and RLHFConfig.__module__ == "zeal.config.rlhf"
+
+
+def test_rlhf_flags_come_from_the_rlhf_section(capsys):
+    """One `zeal rlhf` flag per RLHFConfig field (name, type, choices, default and help from
+    the field); the four older flags keep their spelling; given flags reach the ranks."""
+    from zeal.cli.config_flags import argv_of, flag_of, leaves
+    from zeal.cli.main import build_parser, main
+    from zeal.cli.rlhf import rlhf_flags
+
+    parser, _ = build_parser("rlhf")
+    argv = ["rlhf", "grpo", "--beta", "0", "--no-scale-rewards", "--top-p", "0.9", "--loss-type", "dapo",
+            "--generation-dtype", "fp32", "--async-rollouts", "1", "--steps", "3"]
+    args = parser.parse_args(argv)
+    assert rlhf_flags(args) == RLHFConfig(beta=0.0, scale_rewards=False, top_p=0.9)
+    assert (args.loss_type, args.generation_dtype, args.async_rollouts, args.steps) == ("dapo", "fp32", 1, 3)
+    assert rlhf_flags(parser.parse_args(["rlhf", "sft"])) == RLHFConfig()  # no flag: the section's defaults
+    assert argv_of(args, RLHFConfig, dest_prefix="rlhf.") == ["--top-p", "0.9", "--beta", "0.0",
+                                                             "--no-scale-rewards"]
+    with pytest.raises(ValueError, match="config key 'rlhf.beta': Input should be greater than or equal to 0"):
+        rlhf_flags(parser.parse_args(["rlhf", "grpo", "--beta", "-1"]))
+    with pytest.raises(SystemExit):
+        main(["rlhf", "--help"])
+    out = capsys.readouterr().out
+    missing = [flag_of(p, info)[0] for p, info in leaves(RLHFConfig) if flag_of(p, info)[0] not in out]
+    assert not missing, missing
+    assert "--kl-coef" in out and "(default: 0.1)" in out and "--no-share-prompt" in out
+
+
+def test_train_section_flags_come_from_the_job_tree(capsys, tmp_path):
+    """`zeal train` has one --section.leaf flag per leaf of the job's model/data/job/process
+    sections (typed as dotted overrides are, help and default from the field); the named
+    flags keep working and win below them, as before."""
+    from zeal.cli.config_flags import leaves
+    from zeal.cli.main import build_parser, main
+    from zeal.cli.train import JOB_SECTIONS, build_spec
+
+    parser, _ = build_parser("train")
+    args, extra = parser.parse_known_args(["train", "--steps", "7", "--model.n_layer", "3", "--job.checkpoint",
+                                           "false", "--job.eval-interval", "5", "--process.num_threads", "2",
+                                           "--job.steps", "9", "--run-dir", str(tmp_path / "r")])
+    assert extra == ["--job.eval-interval", "5"]  # a dashed spelling still reaches the dotted overrides
+    spec = build_spec(args, extra)
+    assert (spec.model.n_layer, spec.job.checkpoint, spec.job.eval_interval, spec.process.num_threads) == (3, False, 5, 2)
+    assert spec.job.steps == 9  # the dotted flag after the named --steps, as before
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    missing = [f"--{s}.{p}" for s in JOB_SECTIONS for p, _ in leaves(JobSpec.model_fields[s].annotation)
+               if f"--{s}.{p}" not in out]
+    assert not missing, missing

@@ -57,6 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--nproc", type=int, default=1,
                    help="processes (data-parallel ranks, started through torchrun as 'zeal train' does); "
                         "rlhf.batch_size is per rank, rank 0 writes the run folder")
+    from zeal.cli.config_flags import add_flags
+    from zeal.config.rlhf import RLHFConfig
+
+    add_flags(p, RLHFConfig, dest_prefix="rlhf.", keep_existing=True)  # one per rlhf field (spellings above kept)
     return p
 
 
@@ -72,7 +76,10 @@ def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
         if value is not None:
             flag = f"--{name.replace('_', '-')}"
             argv += [f"{flag}={value}"] if name == "lora" else [flag, str(value)]  # --lora's value may be empty
-    return argv
+    from zeal.cli.config_flags import argv_of
+    from zeal.config.rlhf import RLHFConfig
+
+    return argv + argv_of(args, RLHFConfig, dest_prefix="rlhf.")
 
 
 def _launch(args: argparse.Namespace, out: Path) -> int:
@@ -177,6 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    rlhf_flags(args)  # a refused value: one line, before any rank starts
     out = Path(args.out or f"runs/rlhf-{args.job}")
     if args.nproc > 1 and not in_distributed_env():
         check_inputs(args)  # one line here rather than from every rank
@@ -206,6 +214,24 @@ def check_inputs(args: argparse.Namespace) -> list[dict] | None:
     return read_jsonl(args.data, KEYS[job], answer=default_reward)
 
 
+def rlhf_flags(args: argparse.Namespace, rc=None):
+    """``rc`` (default: the section's defaults) with the ``rlhf`` flags given over it (one flag
+    per :class:`~zeal.config.rlhf.RLHFConfig` field, derived by :mod:`zeal.cli.config_flags`);
+    a refused value is a one-line ValueError naming ``rlhf.<field>``."""
+    from pydantic import ValidationError
+
+    from zeal.cli.config_flags import tree_from_args
+    from zeal.config import format_validation_error
+    from zeal.config.rlhf import RLHFConfig
+
+    rc = rc if rc is not None else RLHFConfig()
+    given = tree_from_args(args, RLHFConfig, dest_prefix="rlhf.")
+    try:
+        return RLHFConfig.model_validate({**rc.model_dump(), **given}) if given else rc
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e).replace("config key '", "config key 'rlhf.")) from None
+
+
 def _run_job(args: argparse.Namespace, out: Path) -> int:
     import zeal.rlhf as rl
     from zeal.rlhf.config import split_config
@@ -225,6 +251,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         if args.async_rollouts < 0:
             raise ValueError(f"--async-rollouts must be >= 0, got {args.async_rollouts}")
         rc.async_rollouts = args.async_rollouts
+    rc = rlhf_flags(args, rc)
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
     if getattr(args, "lora", None) is not None:

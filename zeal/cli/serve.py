@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import types
-import typing
-from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from zeal.config.inference import DTYPE_NAMES, InferenceConfig, resolve_dtype
+from zeal.cli.config_flags import add_flags, leaves, scalar_type, tree_from_args
+from zeal.config.inference import DTYPE_NAMES, InferenceConfig, resolve_dtype  # noqa: F401 - re-exported
 
 DTYPES = DTYPE_NAMES  # the accepted --dtype spellings
 
@@ -29,73 +27,21 @@ _FLAG_NAMES: dict[str, tuple[str, int]] = {
     "server.engine_process": ("--no-engine-process", 1),
     "server.disable_additional_properties": ("--no-disable-additional-properties", 1),
 }
-_UNITS = {1 << 20: "MB"}
-
-
-def _leaves(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, Any]]:
-    """``(dotted path, FieldInfo)`` of every leaf field, sections walked depth first."""
-    for name, info in model.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            yield from _leaves(ann, f"{prefix}{name}.")
-        else:
-            yield prefix + name, info
-
-
-def _scalar_type(ann: Any) -> Any:
-    """``int | None`` -> int; a Literal stays as it is."""
-    if typing.get_origin(ann) in (typing.Union, types.UnionType):
-        ann = next(a for a in typing.get_args(ann) if a is not type(None))
-    return ann
+_leaves, _scalar_type = leaves, scalar_type  # the names these had here
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """One flag per leaf of :class:`InferenceConfig` (the model path is the positional argument).
     Flags default to None: a flag not given leaves the config's default in place."""
-    for path, info in _leaves(InferenceConfig):
-        desc = (info.description or "").rstrip(".")
-        if path == "model":
-            p.add_argument("model", nargs="?", default=None, help=desc)
-            continue
-        flag, scale = _FLAG_NAMES.get(path, ("--" + path.rsplit(".", 1)[-1].replace("_", "-"), 1))
-        ann = _scalar_type(info.annotation)
-        if ann is bool:
-            if info.default and not flag.startswith("--no-"):
-                raise TypeError(f"{path}: a flag that turns off a default-on switch needs a --no- name")
-            p.add_argument(flag, dest=path, action="store_const", const=not info.default, default=None,
-                           help=f"turn {'off' if info.default else 'on'}: {desc[:1].lower()}{desc[1:]}")
-            continue
-        leaf = path.rsplit(".", 1)[-1]
-        kwargs: dict[str, Any] = {"dest": path, "default": None, "help": desc,
-                                  "metavar": _UNITS[scale] if scale != 1 else leaf.upper()}
-        if info.default is not None and not info.is_required() and info.default_factory is None:
-            kwargs["help"] += f" (default: {info.default if scale == 1 else info.default // scale})"
-        if typing.get_origin(ann) is list:  # e.g. --lora-modules a=PATH b=PATH (items parsed by the config)
-            kwargs["nargs"] = "+"
-            kwargs["metavar"] = "ITEM"
-        elif typing.get_origin(ann) is typing.Literal:
-            kwargs["choices"] = sorted(typing.get_args(ann))
-            del kwargs["metavar"]
-        elif ann in (int, float):
-            kwargs["type"] = ann
-        p.add_argument(flag, **kwargs)
+    p.add_argument("model", nargs="?", default=None,
+                   help=(InferenceConfig.model_fields["model"].description or "").rstrip("."))
+    add_flags(p, InferenceConfig, _FLAG_NAMES, skip=("model",))
 
 
 def config_from_args(args: argparse.Namespace) -> InferenceConfig:
     """The validated ``inference`` section: the flags given over the section's defaults."""
-    tree: dict[str, Any] = {}
-    for path, _ in _leaves(InferenceConfig):
-        value = getattr(args, path, None)
-        if value is None:
-            continue
-        scale = _FLAG_NAMES.get(path, ("", 1))[1]
-        node = tree
-        *heads, leaf = path.split(".")
-        for h in heads:
-            node = node.setdefault(h, {})
-        node[leaf] = value * scale if scale != 1 else value
     try:
-        return InferenceConfig.model_validate(tree)
+        return InferenceConfig.model_validate(tree_from_args(args, InferenceConfig, _FLAG_NAMES))
     except ValidationError as e:
         from zeal.config import format_validation_error
 
@@ -185,28 +131,12 @@ def build(cfg: InferenceConfig | argparse.Namespace):
 
 def _tensor_parallel_engine(cfg: InferenceConfig, path, max_waiting: int):
     """Rank 0's engine thread over the split model; None on the other ranks (after serving)."""
-    import torch
-
     from zeal.inference.async_engine import AsyncEngine
-    from zeal.inference.engine import LLMEngine
-    from zeal.inference.tensor_parallel import load_split
+    from zeal.inference.build import build_engine
 
-    if cfg.weights_offload != "none":
-        raise ValueError(f"--weights-offload {cfg.weights_offload} is not supported with --tensor-parallel-size "
-                         f"{cfg.tensor_parallel_size}")
-    if cfg.quantized_matmul != "off":
-        raise ValueError(f"--quantized-matmul {cfg.quantized_matmul} is not supported with --tensor-parallel-size "
-                         f"{cfg.tensor_parallel_size}")
-    dtype = getattr(torch, resolve_dtype(cfg.dtype, cfg.device))
-    model, tok, eos, tp = load_split(path, cfg.tensor_parallel_size, dtype, cfg.device, _exit_on_rank_death)
-    if not tp.is_driver:
-        tp.serve(model)
+    engine = build_engine(cfg, on_rank_death=_exit_on_rank_death)
+    if engine is None:
         return None
-    try:
-        engine = LLMEngine(model, tok, cfg.engine, eos, tp=tp)
-    except BaseException:
-        tp.shutdown()
-        raise
     _exit_on_rank_death.aengine = AsyncEngine(engine, max_waiting)
     return _exit_on_rank_death.aengine
 

@@ -68,8 +68,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sp", type=int, help="sequence parallel size: each sequence sharded over this many ranks "
                                           "(DeepSpeed-Ulysses; the config's sequence_parallel_size)")
     p.add_argument("--spec", help=argparse.SUPPRESS)  # resolved spec file, used by the re-executed ranks
+    _add_section_flags(p)
     p.set_defaults(_allow_extra=True)
     return p
+
+
+def _add_section_flags(p: argparse.ArgumentParser) -> None:
+    """``--model.n_layer 8``, ``--job.eval_interval 50``...: one flag per leaf of the job's
+    sections, derived from the config tree (zeal.config.job: type, default, help); values are
+    read as dotted overrides are. Engine keys stay dotted overrides of DeepSpeed's tree."""
+    from zeal.cli.config_flags import add_dotted_flags
+    from zeal.cli.overrides import parse_value
+    from zeal.config.job import JobSpec
+
+    for section in JOB_SECTIONS:
+        add_dotted_flags(p, JobSpec.model_fields[section].annotation, section, parse_value)
 
 
 def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
@@ -110,6 +123,11 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
     for path, value in named.items():
         if value is not None:
             set_path(tree, list(path), value)
+    from zeal.cli.config_flags import dotted_values
+
+    for section in JOB_SECTIONS:  # the derived --section.leaf flags, as dotted overrides (after the named flags)
+        for path, value in dotted_values(args, JobSpec.model_fields[section].annotation, section):
+            set_path(tree, path, value)
     if args.resume:
         tree["job"]["resume"] = True
     if args.wall_clock_breakdown:

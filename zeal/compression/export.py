@@ -105,7 +105,11 @@ def is_compressed_config(cfg: dict) -> bool:
 
 def decompress_state(sd: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
     """``sd`` with every ``L.weight_packed``/``weight_scale``/``weight_shape`` triple
-    replaced by the dequantized ``L.weight`` (fp32). Symmetric int pack-quantized only."""
+    replaced by the dequantized ``L.weight`` (fp32). Symmetric int pack-quantized only.
+    ``sd`` as it is when ``cfg`` is not a compressed-tensors config (so it serves as
+    :func:`zeal.models.hf.load_hf_model`'s ``state_transform`` for any folder)."""
+    if not is_compressed_config(cfg):
+        return sd
     qc = cfg["quantization_config"]
     fmt = qc.get("format")
     if fmt not in ("pack-quantized", "dense"):

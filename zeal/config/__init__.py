@@ -6,6 +6,7 @@ Its sections, each a model with a description on every field:
 * :class:`JobSpec` (``job.py``): a ``zeal train`` job: ``model``, ``data``, ``job``,
   ``engine`` (a :class:`Config` as written) and ``process``;
 * :class:`InferenceConfig` (``inference.py``): ``zeal serve`` and the serving engine;
+* :class:`RLHFConfig` (``rlhf.py``): the ``rlhf`` section of ``zeal rlhf``'s jobs;
 * :class:`ProcessConfig` (``process.py``): process-wide settings, shared by both commands.
 """
 
@@ -23,9 +24,11 @@ from zeal.config.ds_compat import AutoValues, translate
 from zeal.config.inference import InferenceConfig
 from zeal.config.job import JobSpec
 from zeal.config.process import ProcessConfig
+from zeal.config.rlhf import RLHFConfig
 from zeal.config.schema import Config, ZeroConfig
 
-__all__ = ["AutoValues", "Config", "ZeroConfig", "ConfigError", "InferenceConfig", "JobSpec", "ProcessConfig", "load_config"]
+__all__ = ["AutoValues", "Config", "ZeroConfig", "ConfigError", "InferenceConfig", "JobSpec", "ProcessConfig",
+           "RLHFConfig", "load_config"]
 
 log = logging.getLogger("zeal")
 

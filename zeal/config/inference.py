@@ -5,6 +5,7 @@ fields (name, type, default and help), so each default is stated here once."""
 from __future__ import annotations
 
 import json
+import typing
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -31,6 +32,16 @@ def resolve_dtype(name: str, device: str) -> str:
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
     return "bfloat16" if device == "cpu" and cpu_has_native_bf16() else "float32"
+
+
+def check_weights_offload(kind: str, max_resident_gb: float | None, quant: str) -> None:
+    """ZeRO-Inference's settings together: a streamed layer store needs its budget, and its
+    storage (``quant``) means nothing without one. ValueError naming the field otherwise."""
+    if quant != "none" and kind == "none":
+        raise ValueError(f"weights_offload_quant {quant!r} needs weights_offload 'disk' or 'cpu' "
+                         "(it sets how the streamed layers are stored)")
+    if kind != "none" and max_resident_gb is None:
+        raise ValueError(f"weights_offload {kind!r} needs max_resident_weights_gb")
 
 
 class SpeculativeConfig(Section):
@@ -239,3 +250,24 @@ class InferenceConfig(Section):
     server: ServerConfig = Field(default_factory=ServerConfig, description="The HTTP server.")
     process: ProcessConfig = Field(
         default_factory=ProcessConfig, description="Process-wide settings (huge pages, CPU threads, malloc).")
+
+    @field_validator("weights_offload", "weights_offload_quant", "quantized_matmul", mode="before")
+    @classmethod
+    def _choice(cls, v: object, info) -> object:
+        choices = typing.get_args(cls.model_fields[info.field_name].annotation)
+        if v not in choices:  # the choices named as LLM(...) and zeal serve have always named them
+            raise ValueError(f"{info.field_name} must be one of {', '.join(choices)}, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _together(self) -> InferenceConfig:
+        # the refusals of every way in (zeal serve, LLM, the engine process), written once
+        check_weights_offload(self.weights_offload, self.max_resident_weights_gb, self.weights_offload_quant)
+        tp = self.tensor_parallel_size
+        if self.quantized_matmul != "off" and (tp != 1 or self.weights_offload != "none"):
+            raise ValueError(f"quantized_matmul {self.quantized_matmul!r} serves a resident, unsplit model: not "
+                             "with tensor_parallel_size > 1 or weights_offload")
+        if self.weights_offload != "none" and tp != 1:
+            raise ValueError(f"weights_offload {self.weights_offload!r} is not supported with "
+                             f"tensor_parallel_size {tp}")
+        return self

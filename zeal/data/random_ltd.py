@@ -220,9 +220,10 @@ def layer_stack(model: nn.Module) -> Sequence[nn.Module]:
                      "convert_to_random_ltd(model, LayerClass) before initialize)")
 
 
-def apply_token_drop(model: nn.Module, cfg: Any) -> TokenDrop | None:
+def apply_token_drop(model: nn.Module, cfg: Any, dp_size: int = 1) -> TokenDrop | None:
     """Wrap the layers ``data_efficiency.data_routing.random_ltd`` names (``cfg`` a
-    :class:`~zeal.config.Config` or the ``random_ltd`` section); None when it is off."""
+    :class:`~zeal.config.Config` or the ``random_ltd`` section); None when it is off.
+    ``dp_size``: the data-parallel ranks whose layer-tokens the consumed count adds up."""
     rl = cfg.data_efficiency.random_ltd() if hasattr(cfg, "data_efficiency") else cfg
     if rl is None or not rl.enabled:
         return None
@@ -240,7 +241,7 @@ def apply_token_drop(model: nn.Module, cfg: Any) -> TokenDrop | None:
                          f"{n} layers")
     s = rl.random_ltd_schedule
     drop = TokenDrop(sorted(ids), n, s.min_value, s.max_value, s.schedule_config["require_steps"],
-                     s.schedule_config["seq_per_step"])
+                     s.schedule_config["seq_per_step"], dp_size=dp_size)
     drop.update(0)
     for i in drop.layer_ids:
         layer = layers[i]

@@ -54,7 +54,7 @@ class DraftModelProposer:
         in the target's dtype and device), its cache sized for ``max_tokens`` token slots
         (the target's) plus the drafts of ``max_seqs`` sequences."""
         if model is None:
-            from zeal.inference.llm import load_model_and_tokenizer
+            from zeal.inference.loader import load_model_and_tokenizer
 
             model, _, _ = load_model_and_tokenizer(cfg.model, target.dtype, target.device)
         extra = max_seqs * blocks_for(cfg.num_speculative_tokens + 1, DRAFT_BLOCK_SIZE)

@@ -2,112 +2,29 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
-from zeal.inference.engine import EngineConfig, LLMEngine
+from zeal.config import format_validation_error
+from zeal.config.inference import DTYPE_NAMES, InferenceConfig
+from zeal.inference.build import build_engine
+from zeal.inference.engine import EngineConfig
+from zeal.inference.loader import (  # noqa: F401 - re-exported: the loaders lived here
+    WeightsOffload,
+    _check_quantized_matmul,
+    load_model_and_tokenizer,
+    load_tokenizer,
+    resolve_model_path,
+    torch_dtype,
+)
 from zeal.inference.outputs import RequestOutput
 from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
-from zeal.utils.paths import cache_dir
-
-
-def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """A HF folder as is; a ``.gguf`` file converted once to a folder under the cache;
-    None: the embedded default model (SmolLM2-135M-Instruct)."""
-    from zeal.models.hf import convert_gguf, default_model_path
-
-    if path is None:
-        return default_model_path()
-    p = Path(path).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        out = cache_dir() / f"{p.stem}-{p.stat().st_size}"
-        if not (out / "model.safetensors").exists():
-            convert_gguf(p, out)
-        return out
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(f"{p} is neither a model folder (config.json + safetensors) nor a .gguf file")
-    return p
-
-
-@dataclass(frozen=True)
-class WeightsOffload:
-    """ZeRO-Inference: where the decoder layers live (``none``: resident; ``disk``: layer
-    files read on every pass; ``cpu``: pinned host memory copied to an accelerator), the
-    resident-weights budget in GiB, the folder of the layer files (None: the cache), and
-    the storage of the streamed 2-d weights (``quant``: ``none``, ``int8`` or ``int4``,
-    group-wise with bf16 scales; :mod:`zeal.inference.weight_quant`)."""
-
-    kind: str = "none"
-    max_resident_gb: float | None = None
-    offload_dir: str | None = None
-    quant: str = "none"
-
-    def __post_init__(self) -> None:
-        from zeal.inference.weight_quant import check_quant
-
-        check_quant(self.quant)
-        if self.quant != "none" and self.kind == "none":
-            raise ValueError(f"weights_offload_quant {self.quant!r} needs weights_offload 'disk' or 'cpu' "
-                             "(it sets how the streamed layers are stored)")
-
-
-def torch_dtype(dtype: torch.dtype | str, device: str = "cpu") -> torch.dtype:
-    """A torch dtype, or its name as vLLM users write it (``"bfloat16"``, ``"bf16"``, ``"float32"``,
-    ``"auto"``: bf16 where the hardware computes it natively); ``ValueError`` for any other."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    from zeal.config.inference import DTYPE_NAMES, resolve_dtype
-
-    if not isinstance(dtype, str) or dtype.lower() not in DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_NAMES)} or a torch.dtype")
-    return getattr(torch, resolve_dtype(dtype.lower(), device))
-
-
-def load_model_and_tokenizer(path: str | os.PathLike | None, dtype: torch.dtype = torch.float32,
-                             device: str | torch.device = "cpu", offload: WeightsOffload | None = None,
-                             quantized_matmul: str = "off") -> tuple[nn.Module, Tokenizer | None, list[int]]:
-    """The model (its decoder layers streamed when ``offload`` says so: the streamer is
-    ``model.weight_streamer``), its tokenizer and end-of-sequence ids. ``quantized_matmul``
-    ``"auto"`` (bf16) or ``"int8"`` (bf16 and fp32): a compressed-tensors folder's int8 per-channel
-    linears compute with int8 weight-only matmuls (:mod:`zeal.inference.quant_linear`) instead of being dequantized."""
-    from zeal.models.hf import load_hf_model
-
-    p = resolve_model_path(path)
-    if offload is not None and offload.kind != "none":
-        from zeal.inference.weight_stream import load_streamed_model
-
-        if offload.max_resident_gb is None:
-            raise ValueError(f"weights_offload {offload.kind!r} needs max_resident_weights_gb")
-        model, cfg, streamer = load_streamed_model(p, dtype, device, offload.kind,
-                                                   int(offload.max_resident_gb * (1 << 30)), offload.offload_dir,
-                                                   offload.quant)
-        model.weight_streamer = streamer
-    else:
-        model, cfg = load_hf_model(p, dtype)
-        model = model.to(device)
-        if _check_quantized_matmul(quantized_matmul) != "off":
-            from zeal.inference.quant_linear import apply_quantized_matmuls
-
-            apply_quantized_matmuls(model, p, cfg, quantized_matmul)
-    eos = cfg.get("eos_token_id")
-    eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    return model, Tokenizer.from_folder(p), eos_ids
-
-
-def _check_quantized_matmul(mode: str) -> str:
-    from zeal.inference.quant_linear import QUANTIZED_MATMUL_MODES
-
-    if mode not in QUANTIZED_MATMUL_MODES:
-        raise ValueError(f"quantized_matmul must be one of {', '.join(QUANTIZED_MATMUL_MODES)}, got {mode!r}")
-    return mode
 
 
 def _draft_instance(engine_kwargs: dict) -> nn.Module | None:
@@ -121,14 +38,24 @@ def _draft_instance(engine_kwargs: dict) -> nn.Module | None:
     return draft
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """A tokenizer from a folder (``tokenizer.json`` and, if present, ``tokenizer_config.json``)
-    or a ``tokenizer.json`` file; raises FileNotFoundError when there is none."""
-    p = Path(path).expanduser()
-    tok = Tokenizer.from_file(p) if p.is_file() else Tokenizer.from_folder(p) if p.is_dir() else None
-    if tok is None:
-        raise FileNotFoundError(f"tokenizer {p}: neither a tokenizer.json file nor a folder holding one")
-    return tok
+def inference_config(model: str | os.PathLike | None = None, dtype: torch.dtype | str = torch.float32,
+                     device: str | torch.device = "cpu", **fields) -> InferenceConfig:
+    """The :class:`InferenceConfig` of ``LLM(model, dtype=..., device=..., **fields)``: the
+    one :func:`zeal.inference.build.build_engine` builds from (and ``zeal serve`` builds from
+    its flags). A torch dtype becomes its name; a refused value or combination raises
+    ``ValueError`` naming the field."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"dtype {dtype} is not one of {sorted(set(DTYPE_NAMES.values()) - {'auto'})}")
+    else:
+        torch_dtype(dtype)  # a name it does not know (or not a name): ValueError naming the accepted ones
+        name = dtype.lower()
+    try:
+        return InferenceConfig(model=None if model is None else str(model), dtype=name, device=str(device),
+                               **fields)
+    except ValidationError as e:
+        raise ValueError(format_validation_error(e)) from None
 
 
 class LLM:
@@ -169,60 +96,20 @@ class LLM:
                  max_resident_weights_gb: float | None = None, offload_dir: str | None = None,
                  weights_offload_quant: str = "none", tensor_parallel_size: int = 1, quantized_matmul: str = "off",
                  **engine_kwargs) -> None:
-        dtype = torch_dtype(dtype, str(device))
-        qmm = _check_quantized_matmul(quantized_matmul)
-        if qmm != "off" and (tensor_parallel_size != 1 or weights_offload != "none"):
-            raise ValueError(f"quantized_matmul {quantized_matmul!r} serves a resident, unsplit model: not with "
-                             "tensor_parallel_size > 1 or weights_offload")
-        offload = WeightsOffload(weights_offload, max_resident_weights_gb, offload_dir, weights_offload_quant)
-        self.tp = None
-        self.is_driver = True
-        if tensor_parallel_size != 1:
-            self._init_tensor_parallel(model, tokenizer, dtype, device, eos_token_ids, weights_offload,
-                                       tensor_parallel_size, engine_kwargs)
-            return
         draft = _draft_instance(engine_kwargs)
-        if isinstance(model, nn.Module):
-            if weights_offload != "none":
-                raise ValueError("weights_offload needs a model folder (its layers are streamed from files)")
-            module, tok, eos = model.eval(), None, list(eos_token_ids or [])
-        else:
-            module, tok, eos = load_model_and_tokenizer(model, dtype, device, offload, quantized_matmul)
-            eos += list(eos_token_ids or [])
-        if tokenizer is not None:  # the caller's tokenizer replaces the model folder's
-            tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos, draft_model=draft)
-        self.tokenizer = tok
-
-    def _init_tensor_parallel(self, model, tokenizer, dtype, device, eos_token_ids, weights_offload: str,
-                              size: int, engine_kwargs: dict) -> None:
-        from zeal.inference import tensor_parallel as tpmod
-
-        if weights_offload != "none":
-            raise ValueError(f"weights_offload {weights_offload!r} is not supported with tensor_parallel_size {size}")
-        if isinstance(model, nn.Module):
-            if not tpmod.in_launched_job():
-                raise ValueError(f"LLM(model instance, tensor_parallel_size={size}) needs its {size} ranks launched "
-                                 "already (torchrun, one LLM per rank); pass a model folder to let zeal start them")
-            tpmod.check_tp_size(model, size)
-            module, tok, eos = copy.deepcopy(model).eval(), None, list(eos_token_ids or [])
-            self.tp = tpmod.join_tensor_parallel(size)
-            self.tp.shard(module)
-        else:
-            module, tok, eos, self.tp = tpmod.load_split(model, size, dtype, str(device))
-            eos += list(eos_token_ids or [])
-        if tokenizer is not None:
-            tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
-        self.tokenizer = tok
-        if not self.tp.is_driver:  # ranks 1..T-1: follow rank 0's passes until it shuts the group down
-            self.is_driver, self.engine = False, None
-            self.tp.serve(module)
-            return
-        try:
-            self.engine = LLMEngine(module, tok, EngineConfig(**engine_kwargs), eos, tp=self.tp)
-        except BaseException:
-            self.tp.shutdown()
-            raise
+        cfg = inference_config(None if isinstance(model, nn.Module) else model, dtype, device,
+                               weights_offload=weights_offload, max_resident_weights_gb=max_resident_weights_gb,
+                               offload_dir=offload_dir, weights_offload_quant=weights_offload_quant,
+                               tensor_parallel_size=tensor_parallel_size, quantized_matmul=quantized_matmul,
+                               engine=EngineConfig(**engine_kwargs))
+        if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+            tokenizer = load_tokenizer(tokenizer)
+        self.config = cfg  #: the InferenceConfig this LLM was built from (as zeal serve builds from its flags)
+        self.engine = build_engine(cfg, model if isinstance(model, nn.Module) else None, tokenizer,
+                                   eos_token_ids=eos_token_ids or (), draft_model=draft)
+        self.is_driver = self.engine is not None  # False: a tensor-parallel rank 1..T-1 whose group has stopped
+        self.tp = self.engine.tp if self.engine is not None else None
+        self.tokenizer = self.engine.tokenizer if self.engine is not None else tokenizer
 
     def shutdown(self) -> None:
         """Tensor parallelism, rank 0: stop the other ranks (and the processes zeal started);

@@ -146,10 +146,11 @@ class TensorParallelGroup:
 
     def shard(self, model: nn.Module) -> nn.Module:
         """Split ``model`` in place over the group (the training split rules); returns it."""
+        from zeal.moe.tensor import moe_tensor_parallel
         from zeal.parallel.tensor import apply_tensor_parallel
 
         check_tp_size(model, self.size)
-        apply_tensor_parallel(model, self.size, self.mesh)
+        apply_tensor_parallel(model, self.size, self.mesh, (moe_tensor_parallel,))
         return model
 
     # -- rank 0 ------------------------------------------------------------------------------
@@ -339,7 +340,7 @@ def load_split(path, size: int, dtype: torch.dtype, device: str,
     tensor-parallel group of ``size`` and split it: ``(model, tokenizer, eos ids, group)``.
     In a launched job every rank calls this; otherwise this process becomes rank 0 and
     starts the others (after checking that ``size`` splits the model)."""
-    from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
+    from zeal.inference.loader import load_model_and_tokenizer, resolve_model_path
 
     p = resolve_model_path(path)
     if in_launched_job():

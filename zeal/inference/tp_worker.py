@@ -29,16 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     _end_with_parent()
     try:
         spec = json.loads(argv[0])
-        import torch
+        from zeal.config.inference import InferenceConfig
+        from zeal.inference.build import build_engine
 
-        from zeal.inference.llm import load_model_and_tokenizer
-        from zeal.inference.tensor_parallel import join_tensor_parallel
-
-        tp = join_tensor_parallel(int(os.environ["WORLD_SIZE"]))
-        device = tp.mesh.device if spec["device"].startswith("cuda") else spec["device"]
-        model, _, _ = load_model_and_tokenizer(spec["model"], getattr(torch, spec["dtype"]), device)
-        tp.shard(model)
-        tp.serve(model)
+        # a launched job's rank > 0: joins the group, loads and splits the model, serves rank 0's passes
+        build_engine(InferenceConfig(model=spec["model"], dtype=spec["dtype"], device=spec["device"],
+                                     tensor_parallel_size=int(os.environ["WORLD_SIZE"])))
         return 0
     except Exception as e:  # noqa: BLE001 - one line for rank 0's log
         print(f"zeal tensor-parallel rank {rank}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -143,17 +143,29 @@ def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
     raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
 
 
-def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, dict]:
+# A reader of a stored weight format: (the folder's tensors, its config.json) -> plain tensors
+# under the folder's names (e.g. zeal.compression.export.decompress_state for compressed-tensors).
+StateTransform = Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
+
+
+def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                  state_transform: StateTransform | None = None) -> tuple[nn.Module, dict]:
     """Build the model of a HF folder. Returns ``(model, config_dict)``; a GPT-2
-    folder gives a :class:`zeal.models.GPT`, a Llama-family folder a :class:`Llama`."""
+    folder gives a :class:`zeal.models.GPT`, a Llama-family folder a :class:`Llama`.
+    ``state_transform`` rewrites the folder's tensors first: the reader of a stored format,
+    handed in by the layer that owns it (model code reads plain tensors only). A
+    compressed-tensors folder needs one (serving passes
+    :func:`zeal.compression.export.decompress_state`); without it, it is refused."""
     sk = hf_skeleton(path)
     # fresh, aligned storage: safetensors hands out views at arbitrary byte offsets,
     # which BLAS kernels run markedly slower on
     raw = read_safetensors_folder(path)
-    if (sk.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
-        from zeal.compression.export import decompress_state  # dequantized on load
-
-        raw = decompress_state(raw, sk.config)
+    if state_transform is not None:
+        raw = state_transform(raw, sk.config)
+    elif (sk.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        raise ValueError(f"{path} holds compressed-tensors weights: load it with zeal.LLM, zeal serve or "
+                         "zeal.inference.llm.load_model_and_tokenizer, or pass "
+                         "state_transform=zeal.compression.export.decompress_state")
     if sk.whole is not None:
         raw = sk.whole(raw)
     state = {name: t.to(dtype=dtype, copy=True) for key, v in raw.items() for name, t in sk.convert(key, v)}

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeal.moe import MoE
+from zeal.moe.layer import MoE  # the layer side of zeal.moe (below models; see zeal/moe/__init__.py)
 
 
 def is_moe_block(num_experts: int, moe_every: int, layer_idx: int) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from zeal.dist.comm import Comm
-from zeal.parallel.tensor import gather_from_tp, slice_for_tp
+from zeal.dist.regions import gather_from_tp, slice_for_tp
 
 
 def drop_tokens(x: torch.Tensor, comm: Comm, rank: int, dim: int = 1) -> torch.Tensor:

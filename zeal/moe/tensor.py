@@ -2,7 +2,8 @@
 
 ``"tensor_parallel": {"autotp_size": T}`` splits a model with :class:`~zeal.moe.MoE`
 layers as follows (the apply-step is :func:`zeal.parallel.tensor.apply_tensor_parallel`,
-which calls :func:`moe_tensor_parallel` for the MoE parts):
+which runs :func:`moe_tensor_parallel` for the MoE parts: training and tensor-parallel
+serving pass it in ``extra_rules``):
 
 * attention and dense MLPs: split as in any model (column, then row);
 * the router ``wg`` (and PR-MoE's ``coefficient``): replicated on every tp rank. Its
@@ -32,7 +33,7 @@ from torch import nn
 
 from zeal.dist.comm import Comm
 from zeal.moe.layer import MoE
-from zeal.parallel.tensor import _Pair, register_split_rule
+from zeal.parallel.tensor import _Pair
 
 
 # -- the apply-step's MoE part ---------------------------------------------------------------
@@ -72,5 +73,3 @@ def moe_tensor_parallel(model: nn.Module, comm: Comm, rank: int, found: set[int]
                 pairs.append(_Pair(name, mod, [(col, 1)], row, {"intermediate size": col.out_features}, ()))
     return pairs, replicated
 
-
-register_split_rule(moe_tensor_parallel)  # apply_tensor_parallel runs it (zeal.moe imports this module)

@@ -3,8 +3,9 @@ a plain model's attention and MLP linears over the ``tp`` dimension of the mesh.
 
 Each transformer block holds two *split pairs*: attention (q/k/v by columns, the output
 projection by rows) and the MLP (gate/up or fc by columns, down or proj by rows). A pair
-costs one all-reduce in forward (the row-parallel output, :class:`_ReduceFromTP`) and one
-in backward (the gradient of the column-parallel input, :class:`_CopyToTP`), both through
+costs one all-reduce in forward (the row-parallel output, :func:`~zeal.dist.regions.reduce_from_tp`) and one
+in backward (the gradient of the column-parallel input,
+:func:`~zeal.dist.regions.copy_to_tp`), both through
 the accounted ``mesh.tp`` Comm (kind ``"activation"``, dimension ``"tp"``). The split is
 in place: every Parameter keeps its identity and name and gets this rank's slice as its
 data (so an optimizer or a ZeRO group built over the model still sees it); only the
@@ -43,102 +44,10 @@ from torch import nn
 
 from zeal.config import ConfigError
 from zeal.dist.comm import Comm
+from zeal.dist.regions import copy_to_tp, gather_from_tp, reduce_from_tp, slice_for_tp
 
 __all__ = ["Split", "TensorParallel", "apply_tensor_parallel", "copy_to_tp", "gather_from_tp", "reduce_from_tp",
            "slice_for_tp"]
-
-ACTIVATION = "activation"  # the Comm kind of tensor-parallel activation traffic
-
-
-# -- the two collectives of a split pair ----------------------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; all-reduce of the input gradient over tp in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, kind: str) -> torch.Tensor:  # noqa: D102
-        ctx.comm, ctx.kind = comm, kind
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        g = g.contiguous().clone()
-        ctx.comm.all_reduce(g, ctx.kind)
-        return g, None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """All-reduce over tp forward (partial sums of a row-parallel product); identity backward."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, comm: Comm, kind: str) -> torch.Tensor:  # noqa: D102
-        y = y.contiguous()
-        comm.all_reduce(y, kind)
-        return y
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return g, None, None
-
-
-def copy_to_tp(x: torch.Tensor, comm: Comm, kind: str = ACTIVATION) -> torch.Tensor:
-    """``x`` unchanged; in backward its gradient is summed over the tp group (Comm kind ``kind``)."""
-    return _CopyToTP.apply(x, comm, kind) if comm.active else x
-
-
-def reduce_from_tp(y: torch.Tensor, comm: Comm, kind: str = ACTIVATION) -> torch.Tensor:
-    """``y`` summed over the tp group (Comm kind ``kind``; gradient passes through unchanged)."""
-    return _ReduceFromTP.apply(y, comm, kind) if comm.active else y
-
-
-def _gather_along(x: torch.Tensor, comm: Comm, dim: int, kind: str) -> torch.Tensor:
-    """Every tp rank's ``x`` concatenated along ``dim`` in tp-rank order."""
-    x = x.contiguous()
-    every = torch.empty(comm.size * x.numel(), dtype=x.dtype, device=x.device)
-    comm.all_gather(every, x.view(-1), kind)
-    return torch.cat(list(every.view(comm.size, *x.shape)), dim=dim)
-
-
-def _slice_along(x: torch.Tensor, size: int, rank: int, dim: int) -> torch.Tensor:
-    n = x.shape[dim] // size
-    return x.narrow(dim, rank * n, n).contiguous()
-
-
-class _SliceTP(torch.autograd.Function):
-    """This tp rank's slice of a replicated tensor along ``dim``; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, rank: int, dim: int, kind: str) -> torch.Tensor:  # noqa: D102
-        ctx.comm, ctx.dim, ctx.kind = comm, dim, kind
-        return _slice_along(x, comm.size, rank, dim)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return _gather_along(g, ctx.comm, ctx.dim, ctx.kind), None, None, None, None
-
-
-class _GatherTP(torch.autograd.Function):
-    """Every tp rank's slice concatenated along ``dim`` (a replicated result); backward
-    keeps this rank's slice of the gradient."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Comm, rank: int, dim: int, kind: str) -> torch.Tensor:  # noqa: D102
-        ctx.comm, ctx.rank, ctx.dim = comm, rank, dim
-        return _gather_along(x, comm, dim, kind)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return _slice_along(g, ctx.comm.size, ctx.rank, ctx.dim), None, None, None, None
-
-
-def slice_for_tp(x: torch.Tensor, comm: Comm, rank: int, dim: int, kind: str = ACTIVATION) -> torch.Tensor:
-    """Tp rank ``rank``'s 1/T slice of the replicated ``x`` along ``dim`` (backward: all-gather)."""
-    return _SliceTP.apply(x, comm, rank, dim, kind) if comm.active else x
-
-
-def gather_from_tp(x: torch.Tensor, comm: Comm, rank: int, dim: int, kind: str = ACTIVATION) -> torch.Tensor:
-    """The tp ranks' ``x`` concatenated along ``dim`` (backward: this rank's slice)."""
-    return _GatherTP.apply(x, comm, rank, dim, kind) if comm.active else x
-
 
 # -- what a split parameter is --------------------------------------------------------------
 @dataclass(frozen=True)
@@ -334,22 +243,17 @@ def _sync_rng(comm: Comm, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda_state.cpu(), device)
 
 
-# Split rules for layers the family rules here do not know, registered by the packages
-# above (zeal.moe.tensor registers the experts' pairs when zeal.moe is imported, which any
-# model with MoE layers has done). A rule: (model, tp comm, tp rank, ids of the modules
-# already in a pair) -> (more pairs, ids of linears kept whole).
-_SPLIT_RULES: list[Callable[..., tuple[list, set[int]]]] = []
+# A split rule for layers the family rules here do not know, handed in by the package that
+# owns them (MoE: :func:`zeal.moe.tensor.moe_tensor_parallel`): (model, tp comm, tp rank,
+# ids of the modules already in a pair) -> (more pairs, ids of linears kept whole).
+SplitRule = Callable[..., tuple[list, set[int]]]
 
 
-def register_split_rule(rule: Callable[..., tuple[list, set[int]]]) -> None:
-    """Have :func:`apply_tensor_parallel` also run ``rule`` (see ``_SPLIT_RULES``)."""
-    if rule not in _SPLIT_RULES:
-        _SPLIT_RULES.append(rule)
-
-
-def apply_tensor_parallel(model: nn.Module, size: int, mesh) -> TensorParallel | None:
+def apply_tensor_parallel(model: nn.Module, size: int, mesh,
+                          extra_rules: tuple[SplitRule, ...] = ()) -> TensorParallel | None:
     """Split ``model``'s attention and MLP linears over ``mesh.tp`` (size ``size``, which
-    must equal the mesh's tp size). Returns what was split (None at size 1). Raises
+    must equal the mesh's tp size), and the pairs ``extra_rules`` find (see ``SplitRule``).
+    Returns what was split (None at size 1). Raises
     :class:`ConfigError` naming the module for a head count ``size`` does not divide or a
     linear layer of an unknown family."""
     if size <= 1:
@@ -359,7 +263,7 @@ def apply_tensor_parallel(model: nn.Module, size: int, mesh) -> TensorParallel |
     tp = TensorParallel(mesh.tp, size, mesh.tp_rank)
     pairs = _find_pairs(model)
     replicated: set[int] = set()
-    for rule in _SPLIT_RULES:  # e.g. MoE: experts split, routers whole (DeepSpeed-TED)
+    for rule in extra_rules:  # e.g. MoE: experts split, routers whole (DeepSpeed-TED)
         more, whole = rule(model, tp.comm, tp.rank, {id(p.module) for p in pairs})
         pairs += more
         replicated |= whole

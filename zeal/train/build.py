@@ -50,6 +50,7 @@ from zeal.dist.mesh import Mesh, build_mesh
 from zeal.lora.engine import lora_step, lora_tp_step
 from zeal.moe.apply import apply_moe, model_ep_size
 from zeal.moe.layout import set_global_layout
+from zeal.moe.tensor import moe_tensor_parallel
 from zeal.moe.zero import expert_comm_group
 from zeal.parallel.norm import TPGradNorm
 from zeal.parallel.rng import apply_rng_regions
@@ -122,9 +123,9 @@ def initialize(
     if precision.dtype == torch.float16 and mesh.device.type == "cpu" and mesh.rank == 0:
         log.warning(FP16_ON_CPU)
     apply_activation_checkpointing(model, cfg.activation_checkpointing)
-    token_drop = _token_drop(model, cfg)
+    token_drop = _token_drop(model, cfg, mesh.data_size)
     compression = apply_compression(model, cfg.compression)
-    tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh)
+    tp = apply_tensor_parallel(model, cfg.tensor_parallel.autotp_size, mesh, (moe_tensor_parallel,))
     lora_tp_step(model, lora, tp)  # adapters split with their base linears
     if tp is not None:  # embedding and head split by vocabulary rows where T divides V (per pipeline stage)
         apply_vocab_parallel(model, tp, stage)
@@ -152,14 +153,12 @@ def initialize(
     loader = _loader(cfg, training_data, micro, mesh, accum, collate_fn) if training_data is not None else None
     mesh.stats.step.clear()
     parts = EngineParts(model, cfg, mesh, zero.units, zero.reducer, zopt, zero.coordinator,
-                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp, zero.comm_groups, sp)
+                        precision.scaler, scheduler, loader, precision.dtype, micro, accum, tp, zero.comm_groups, sp,
+                        lora, token_drop)
     engine = TrainEngine(parts) if stage is None else PipelineEngine(parts, stage, cfg.pipeline_parallel.schedule)
     for hook in zero.hooks:
         engine.register_step_hook(hook)
-    engine.lora = lora  # the adapters (None without): engine.save_adapter, zeal.lora.engine.disable_adapters
-    engine.token_drop = token_drop  # random-LTD's state (None when off); its schedule steps with the engine
-    if token_drop is not None:
-        token_drop.dp_size = mesh.data_size  # consumed layer-tokens count every data-parallel rank's
+    if token_drop is not None:  # random-LTD's schedule steps with the engine
         engine.register_step_hook(token_drop)
     for hook in compression.step_hooks(zopt, mesh.dp):
         engine.register_step_hook(hook)
@@ -188,9 +187,9 @@ def _curriculum_sampler(cfg: Config, n: int, micro: int, mesh: Mesh, accum: int)
         raise ConfigError(f"data_efficiency.data_sampling.curriculum_learning: {e}") from None
 
 
-def _token_drop(model: nn.Module, cfg: Config) -> Any:
+def _token_drop(model: nn.Module, cfg: Config, dp_size: int) -> Any:
     try:
-        return apply_token_drop(model, cfg)
+        return apply_token_drop(model, cfg, dp_size)  # consumed layer-tokens count every data-parallel rank's
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -66,6 +66,8 @@ class EngineParts:
     tensor_parallel: Any = None  # zeal.parallel.TensorParallel, or None
     comm_groups: list = field(default_factory=list)  # zeal.zero.groups.CommGroup: parameters not over mesh.dp
     sequence_parallel: Any = None  # zeal.parallel.sequence.SequenceParallel (runs the model at sp > 1), or None
+    lora: Any = None  # the adapters (zeal.lora): engine.save_adapter, zeal.lora.engine.disable_adapters; or None
+    token_drop: Any = None  # random-LTD's state (zeal.data.random_ltd.TokenDrop), or None when it is off
 
 
 class TrainEngine:
@@ -78,6 +80,7 @@ class TrainEngine:
     def __init__(self, parts: EngineParts) -> None:
         self._p = parts
         self.tensor_parallel = parts.tensor_parallel
+        self.lora, self.token_drop = parts.lora, parts.token_drop
         self.module = parts.module
         self.config = parts.config
         self.lr_scheduler = parts.lr_scheduler

@@ -1,2 +1,2 @@
 """``deepspeed.launcher``: ``runner``'s constants (what ``accelerate launch --use_deepspeed``
-imports). DeepSpeed's launcher itself is ``zeal deepspeed`` (:mod:`zeal.cli.deepspeed`)."""
+imports). DeepSpeed's launcher itself is the ``zeal deepspeed`` command."""
