@@ -21,6 +21,7 @@ from torch import nn
 
 from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
+from zeal.inference.device_sampler import apply_masks, sample_batch, verify_targets
 from zeal.inference.lora_adapters import LoadedAdapter, LoRARegistry, runtime_updating_allowed
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
@@ -31,7 +32,7 @@ from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.speculative import accept, draft_for, num_drafts
-from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks, mask_rows
+from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks
 from zeal.inference.tensor_parallel import GroupFailedError
 from zeal.inference.tokenizer import Tokenizer
 
@@ -160,7 +161,9 @@ class LLMEngine:
 
     def _new_seq(self, req: _Request, index: int) -> Sequence:
         p = req.params
-        gen = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
+        # on the logits' device: the sampler draws there (CPU: the stream it always had)
+        dev = self.runner.device
+        gen = torch.Generator(device=dev).manual_seed(p.seed + index) if p.seed is not None else None
         seq = Sequence(next(self._seq_ids), req.request_id, req.prompt_ids, p, index=index, generator=gen,
                        arrival_time=req.arrival_time, group=req.group)
         if req.lora is not None:
@@ -324,7 +327,7 @@ class LLMEngine:
         if len(rows) < num_sampled:
             logits = logits[rows]
         if masks is not None:
-            logits = mask_rows(logits, masks)
+            logits = apply_masks(logits, masks)
         results = self._sample(logits, to_sample, touched)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
@@ -385,7 +388,7 @@ class LLMEngine:
         alone; requests whose own pass raises are failed and their chunks dropped from
         ``sched`` (the rows returned follow the sampled chunks that remain)."""
         try:
-            return self.runner.execute(sched).cpu()
+            return self.runner.execute(sched)  # stays on the device: sampled there
         except GroupFailedError:
             raise  # the tensor-parallel group is gone: no request can run alone either
         except Exception as e:  # noqa: BLE001 - isolated below
@@ -400,7 +403,7 @@ class LLMEngine:
         copies = sched.copies  # copy-on-write once: a later copy would overwrite a slot written since
         for rid, chunks in groups.items():
             try:
-                out = self.runner.execute(SchedulerOutput(chunks=chunks, copies=copies)).cpu()
+                out = self.runner.execute(SchedulerOutput(chunks=chunks, copies=copies))
             except Exception as e:  # noqa: BLE001
                 self._fail(self.requests[rid], e, touched)
                 continue
@@ -420,7 +423,7 @@ class LLMEngine:
         hist = [(s.prompt_ids, s.output_ids) for s in seqs]
         params, gens = [s.params for s in seqs], [s.generator for s in seqs]
         try:
-            return sample(logits, hist, params, gens, self.runner.argmax)
+            return sample_batch(logits, hist, params, gens, self.runner.argmax)
         except Exception:  # noqa: BLE001 - isolated below
             pass
         results = []
@@ -458,13 +461,15 @@ class LLMEngine:
         """Accept the drafts that greedy decoding confirms, append the step's tokens, roll the
         rest back (their blocks freed, their slots left to be overwritten). Returns tokens added."""
         added = 0
-        for seq, row, drafts in spec:
+        # every verified row's greedy token from one argmax and one transfer
+        targets = verify_targets(logits, [(row, 1 + len(drafts)) for _, row, drafts in spec], self.runner.argmax)
+        for (seq, _row, drafts), target in zip(spec, targets):
             req = self.requests[seq.request_id]
             if req.error is not None:
                 continue
             touched[req.request_id] = req
             try:
-                toks = accept(drafts, self.runner.argmax(logits[row : row + 1 + len(drafts)]).tolist())
+                toks = accept(drafts, target)
                 self.metrics.on_spec(len(drafts), len(toks) - 1)
                 seq.num_computed += len(toks) - 1  # the accepted drafts' KV is the sequence's now
                 for t in toks:

@@ -21,7 +21,9 @@ from zeal.inference.attention import (
 from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
 from zeal.inference.packed_linear import packed_linears_for
+from zeal.inference.paged_flex import attention_backend
 from zeal.inference.sequence import SchedulerOutput
+from zeal.inference.step_inputs import StepInputPacker
 
 # what a model must have to be served: zeal's GPT and Llama have them all
 SERVING_ATTRS = ("num_layers", "num_kv_heads", "head_dim", "max_positions", "config")
@@ -117,6 +119,10 @@ class ModelRunner:
         # fp32/bf16 on CPU: the linears compute on weights reordered once for oneDNN (packed_linear)
         self.packed = packed_linears_for(self.model, self.device, self.dtype)
         self.lora = None  # the engine's zeal.inference.multi_lora.MultiLoRA when it serves adapters
+        # accelerators (or ZEAL_ATTENTION_BACKEND=flex): the batched paged attention of paged_flex, fed
+        # by one packed host-to-device transfer of the step's inputs (step_inputs); None: CPU paths
+        self.attn_backend = attention_backend(self.device, self.kv_dtype, self.dtype)
+        self.packer = StepInputPacker(self.device, block_size) if self.attn_backend is not None else None
 
     @property
     def vocab_size(self) -> int:
@@ -203,6 +209,8 @@ class ModelRunner:
                                                                  torch.Tensor]:
         """The pass's tensors: token ids, positions, attention metadata, rows to sample."""
         p = out if isinstance(out, StepPlan) else self.plan(out)
+        if self.packer is not None:
+            return self.packer.prepare(p, self.kernels, self.attn_backend)
         bs, dev = self.block_size, self.device
         prefills = [PrefillChunk(row0, n, ctx, torch.tensor(table, dtype=torch.int32, device=dev))
                     for row0, n, ctx, table in p.prefills]
