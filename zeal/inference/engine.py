@@ -21,7 +21,9 @@ from torch import nn
 
 from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
+from zeal.inference.cuda_graphs import enable_for_engine
 from zeal.inference.device_sampler import apply_masks, sample_batch, verify_targets
+from zeal.inference.gpu_defaults import engine_sizes
 from zeal.inference.lora_adapters import LoadedAdapter, LoRARegistry, runtime_updating_allowed
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
@@ -70,15 +72,19 @@ class LLMEngine:
         # on CPU, decode attention runs one small matmul per block: larger blocks amortise them
         bs = cfg.block_size or (64 if p.device.type == "cpu" else 16)
         tp_size = tp.size if tp is not None else 1  # kv_cache_bytes is per rank: each caches its own heads
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
+        # CPU: the config's sizes; CUDA: vLLM's defaults for those not given (gpu_defaults)
+        sizes = engine_sizes(cfg, smodel, p.device, kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
+        num_blocks = sizes.num_blocks
         self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size)
         if tp is not None:
             tp.attach(self.runner)  # the other ranks build their runners alike and follow rank 0's passes
         self.bm = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs), self.bm)
+        self.scheduler = Scheduler(SchedulerConfig(sizes.max_num_batched_tokens, sizes.max_num_seqs), self.bm)
         self.max_model_len = min(cfg.max_model_len or smodel.max_positions, smodel.max_positions)
         self.max_seq_tokens = min(self.max_model_len, num_blocks * bs)
         self.vocab_size = smodel.config.vocab_size
+        enable_for_engine(self.runner, smodel, sizes.max_num_seqs, self.max_seq_tokens, cfg.enforce_eager,
+                          tp is not None)  # CUDA graphs for decode steps (cuda_graphs)
         self.drafter = None  # speculative_config method 'draft_model': zeal.inference.draft_model
         spec = cfg.speculative_config
         if spec is not None and spec.method == "draft_model":
