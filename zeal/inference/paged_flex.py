@@ -30,6 +30,7 @@ from zeal.inference.attention import AttentionMetadata, write_kv
 
 BACKEND_ENV = "ZEAL_ATTENTION_BACKEND"
 Q_TILE = 128  # query rows per tile of the block mask
+EAGER_SCORE_BYTES = 1 << 30  # the most score memory the uncompiled (CPU test) path may materialise
 
 
 def attention_backend(device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype) -> FlexPagedAttention | None:
@@ -124,6 +125,12 @@ class FlexPagedAttention:
     def _run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask) -> torch.Tensor:
         """``q (B, nh, L, hd)`` over the flat cache view (one K/V head, broadcast over B)."""
         b = q.shape[0]
+        if not self.compile_kernel:  # eager: the scores of every query over the whole cache are materialised
+            need = b * q.shape[1] * q.shape[2] * k_cache.numel() // k_cache.shape[-1] * 4
+            if need > EAGER_SCORE_BYTES:
+                raise ValueError(f"the eager flex attention (a CPU test path) would materialise {need / 2**30:.1f} GiB "
+                                 "of scores over the whole KV cache: give a smaller num_blocks, or unset "
+                                 f"{BACKEND_ENV}")
         flat = (1, 1, -1, k_cache.shape[-1])
         kf = k_cache.view(flat).expand(b, -1, -1, -1)
         vf = v_cache.view(flat).expand(b, -1, -1, -1)
