@@ -53,6 +53,9 @@ def test_capture_once_per_bucket_then_replay_with_padding():
     g.run(_inputs(3, base=5))
     assert seen[-1]["x"][:, 0].tolist() == [5, 6, 7, -1]  # the replay read the padded static rows
     assert g.graphs[4].graph.replays == 2
+    g.reset()  # sleep: the captured addresses go stale; the next step captures again
+    g.run(_inputs(3))
+    assert g.stats["capture"] == 3 and sorted(g.graphs) == [4]
 
 
 def test_eager_cases():

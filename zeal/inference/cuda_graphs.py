@@ -108,6 +108,11 @@ class DecodeGraphs:
         self.graphs: dict[int, _Replay] = {}
         self.stats = {"eager": 0, "replay": 0, "capture": 0}
 
+    def reset(self) -> None:
+        """Forget the captured graphs (they hold the addresses of the KV cache and weights,
+        which sleep/wake reallocates); the next decode steps capture them again."""
+        self.graphs.clear()
+
     def bucket_for(self, n: int) -> int | None:
         """The smallest bucket holding ``n`` rows; None: beyond the largest (eager)."""
         for b in self.buckets:

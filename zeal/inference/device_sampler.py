@@ -24,30 +24,37 @@ import torch
 from zeal.inference.sampler import SampleResult
 from zeal.inference.sampling_params import SamplingParams
 
+_COLUMNS = ("temperature", "kth", "top_k_on", "top_p", "top_p_on", "min_p", "rep", "freq", "pres")
 
-def _float_col(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True)[:, None]
+
+def param_table(params: list[SamplingParams], vocab: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every row's sampling parameters as columns ``(S, 1)`` of one fp32 tensor, moved to
+    ``device`` in one copy (fp32 holds each exactly as the scalar ops of the row-by-row
+    sampler round it; top-k's index is below 2**24)."""
+    rows = []
+    for p in params:
+        k = p.top_k if p.top_k and 0 < p.top_k < vocab else 0
+        rows.append([p.temperature, max(k, 1) - 1, float(k > 0), p.top_p, float(p.top_p < 1.0), p.min_p,
+                     p.repetition_penalty, p.frequency_penalty, p.presence_penalty])
+    t = torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)
+    return {name: t[:, i : i + 1] for i, name in enumerate(_COLUMNS)}
 
 
 def apply_penalties_batch(logits: torch.Tensor, histories: list[tuple[list[int], list[int]]],
-                          params: list[SamplingParams]) -> torch.Tensor:
+                          params: list[SamplingParams], table: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Repetition (prompt and output, HF) then presence/frequency (output, OpenAI) penalties
     of every row at once; ``logits (S, V)`` fp32, returned as a new tensor."""
     s, v = logits.shape
     dev = logits.device
+    table = table if table is not None else param_table(params, v, dev)
     out = logits.clone()
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        idx_r, idx_t = [], []
-        for i in rep_rows:
-            seen = set(histories[i][0]) | set(histories[i][1])
-            idx_r += [i] * len(seen)
-            idx_t += sorted(seen)
+        flat = [i * v + t for i in rep_rows for t in sorted(set(histories[i][0]) | set(histories[i][1]))]
         seen_mask = torch.zeros(s, v, dtype=torch.bool, device=dev)
-        if idx_t:
-            flat = torch.tensor([r * v + t for r, t in zip(idx_r, idx_t)], dtype=torch.long).to(dev)
-            seen_mask.view(-1)[flat] = True
-        rp = _float_col([p.repetition_penalty for p in params], out)
+        if flat:
+            seen_mask.view(-1)[torch.tensor(flat, dtype=torch.long).to(dev)] = True
+        rp = table["rep"]
         out = torch.where(seen_mask, torch.where(out > 0, out / rp, out * rp), out)
     freq_rows = [i for i, p in enumerate(params)
                  if (p.presence_penalty or p.frequency_penalty) and histories[i][1]]
@@ -56,38 +63,30 @@ def apply_penalties_batch(logits: torch.Tensor, histories: list[tuple[list[int],
         counts = torch.zeros(s * v, dtype=out.dtype, device=dev)
         counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=out.dtype, device=dev))
         counts = counts.view(s, v)
-        fp = _float_col([p.frequency_penalty for p in params], out)
-        pp = _float_col([p.presence_penalty for p in params], out)
-        on = torch.zeros(s, 1, dtype=torch.bool, device=dev)
-        on[freq_rows] = True
-        out = torch.where(on, out - (fp * counts + pp * (counts > 0).to(out.dtype)), out)
+        # rows without these penalties (or history) subtract an exact 0
+        out = out - (table["freq"] * counts + table["pres"] * (counts > 0).to(out.dtype))
     return out
 
 
-def filter_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 table: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p truncation of every row; removed entries
     get -inf (what :func:`zeal.inference.sampler.filter_logits` does to one row)."""
-    s, v = logits.shape
-    logits = logits / _float_col([p.temperature for p in params], logits)
-    ks = [p.top_k if p.top_k and 0 < p.top_k < v else 0 for p in params]
-    need_sort = any(ks) or any(p.top_p < 1.0 for p in params)
-    if any(ks):
+    v = logits.shape[1]
+    table = table if table is not None else param_table(params, v, logits.device)
+    logits = logits / table["temperature"]
+    if any(p.top_k and 0 < p.top_k < v for p in params):
         sorted_logits = torch.sort(logits, dim=-1, descending=True).values
-        kidx = torch.tensor([max(k, 1) - 1 for k in ks], dtype=torch.long).to(logits.device)[:, None]
-        kth = sorted_logits.gather(1, kidx)
-        on = torch.tensor([k > 0 for k in ks]).to(logits.device)[:, None]
-        logits = logits.masked_fill(on & (logits < kth), float("-inf"))
-    if need_sort and any(p.top_p < 1.0 for p in params):
+        kth = sorted_logits.gather(1, table["kth"].long())
+        logits = logits.masked_fill((table["top_k_on"] > 0) & (logits < kth), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, -1)
-        tp = torch.tensor([p.top_p for p in params], dtype=torch.float32).to(logits.device)[:, None]
-        on = torch.tensor([p.top_p < 1.0 for p in params]).to(logits.device)[:, None]
-        drop = on & ((probs.cumsum(-1) - probs) >= tp)
+        drop = (table["top_p_on"] > 0) & ((probs.cumsum(-1) - probs) >= table["top_p"])
         logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
     if any(p.min_p > 0.0 for p in params):
         probs = torch.softmax(logits, -1)
-        mp = _float_col([p.min_p for p in params], logits)
-        logits = logits.masked_fill(probs < mp * probs.amax(-1, keepdim=True), float("-inf"))
+        logits = logits.masked_fill(probs < table["min_p"] * probs.amax(-1, keepdim=True), float("-inf"))
     return logits
 
 
@@ -128,13 +127,15 @@ def sample_tokens(logits: torch.Tensor, histories: list[tuple[list[int], list[in
     if all(fast):
         return (argmax(logits) if argmax is not None else logits.argmax(-1)).long()
     work = logits.float()
+    table = param_table(params, logits.shape[1], logits.device)  # the step's one parameter transfer
     if any(p.needs_penalties for p in params):
-        work = apply_penalties_batch(work, histories, params)
+        work = apply_penalties_batch(work, histories, params, table)
     toks = work.argmax(-1)
     rand = [i for i, p in enumerate(params) if not p.greedy]
     if rand:
         sub = [params[i] for i in rand]
-        probs = torch.softmax(filter_batch(work[rand], sub), -1)
+        sub_table = {k: c[rand] for k, c in table.items()}
+        probs = torch.softmax(filter_batch(work[rand], sub, sub_table), -1)
         toks[rand] = draw_batch(probs, [generators[i] for i in rand])
     fast_rows = [i for i, f in enumerate(fast) if f]
     if fast_rows and argmax is not None:  # keep the fused kernel's ties/rounding for plain greedy rows

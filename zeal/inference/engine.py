@@ -244,6 +244,8 @@ class LLMEngine:
             raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): let them finish "
                                "or abort them first")
         self.bm.reset_prefix_cache()  # the cached blocks' contents are about to be gone
+        if self.runner.graphs is not None:  # captured over the storages about to be released
+            self.runner.graphs.reset()
         self._kv_released = release([*self.runner.k_cache, *self.runner.v_cache])
         params = list(self.runner.model.parameters())
         if level == 2:

@@ -134,7 +134,10 @@ class FlexPagedAttention:
         flat = (1, 1, -1, k_cache.shape[-1])
         kf = k_cache.view(flat).expand(b, -1, -1, -1)
         vf = v_cache.view(flat).expand(b, -1, -1, -1)
-        return self.flex(q, kf, vf, block_mask=mask, enable_gqa=True)
+        opts = None
+        if self.compile_kernel:  # the fused kernel walks one cache block (a sparse KV tile) per inner step
+            opts = {"BLOCK_N": min(k_cache.shape[2], 64)}
+        return self.flex(q, kf, vf, block_mask=mask, enable_gqa=True, kernel_options=opts)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
