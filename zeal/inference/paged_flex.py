@@ -42,6 +42,8 @@ def attention_backend(device: torch.device, kv_dtype: torch.dtype, dtype: torch.
     want = choice == "flex" or (choice == "" and device.type == "cuda")
     if not want:
         return None
+    if kv_dtype != dtype and choice != "flex":
+        return None  # a cache in another dtype: the reference path converts it per read
     if kv_dtype != dtype:
         raise ValueError(f"the flex attention backend needs the KV cache in the model's dtype ({dtype}), "
                          f"got {kv_dtype}")
