@@ -43,6 +43,9 @@ def _batch(seed: int, s: int):
     params = [_params(rng, i + seed) for i in range(s)]
     hist = [([rng.randrange(V) for _ in range(rng.randrange(1, 6))],
              [rng.randrange(V) for _ in range(rng.randrange(0, 8))]) for _ in range(s)]
+    for i, p in enumerate(params):  # repeated output tokens: frequency counts above 1
+        if p.frequency_penalty:
+            hist[i] = (hist[i][0], [5, 5, 5, 9, 9, 11])
     return params, hist
 
 
