@@ -29,6 +29,8 @@ def test_gpu_check_dry_run(tmp_path):
     runs = recs["train_speed"]["runs"]
     assert all(v.get("tokens_per_s", 0) > 0 for k, v in runs.items() if "compiled" not in k), runs
     assert recs["serve_correct"]["fp32_greedy_equal"] == "4/4"
+    assert recs["serve_correct"]["flex_path_greedy_equal"] == "4/4"  # the accelerator's serving path, on CPU
+    assert recs["serve_speed"]["zeal_decode_step_ms_at_batch"] > 0
     assert recs["serve_correct"]["bf16_prompt_logprob_max_abs_diff"] < 0.1
     assert recs["serve_speed"]["zeal_tokens_per_s"] > 0 and recs["serve_speed"]["hf_generate_tokens_per_s"] > 0
     assert "== serve_speed" in r.stdout  # the report table

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: one script, at most 6 minutes on one H100/H200 with no network.
+# The GPU check: one script, at most 7 minutes on one H100/H200 with no network.
 #
 #   bash bench/gpu/run.sh             # on the GPU machine (results in $OUT or bench/gpu/out)
 #   bash bench/gpu/run.sh --dry-run   # the same stages on the CPU at toy sizes (CI runs this)
@@ -42,7 +42,7 @@ stage() {  # stage NAME SECONDS
 stage env 45
 stage train_correct 90
 stage train_speed 120
-stage serve_correct 45
-stage serve_speed 60
+stage serve_correct 75
+stage serve_speed 90
 echo
 "$PY" bench/gpu/stages.py report "$RES"

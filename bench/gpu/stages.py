@@ -55,6 +55,18 @@ def _peak(device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 3) if device.type == "cuda" else None
 
 
+def _free(device) -> None:
+    """Give back a dropped engine's memory (its KV cache was sized from the free memory):
+    the engine holds reference cycles (decode-graph closures), so collect them first."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _reset_peak(device) -> None:
     import torch
 
@@ -288,6 +300,7 @@ def stage_serve_correct(dry: bool) -> dict:
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, shape["vocab_size"], (n,), generator=gen).tolist() for n in (5, 17, 33, 64)]
     out: dict = {"device": str(device)}
+    got = None
     try:
         llm = LLM(path, dtype=torch.float32, device=str(device))
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(
@@ -298,10 +311,14 @@ def stage_serve_correct(dry: bool) -> dict:
                               do_sample=False)[0, len(p):].tolist()
             same += int(ref == list(g))
         out["fp32_greedy_equal"] = f"{same}/{len(prompts)}"
+        out |= _serving_path(llm)
         llm.shutdown()
         del llm
+        _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["fp32_greedy_equal"] = _err(e)
+    if dry:  # the accelerator's serving path (flex paged attention, packed inputs, decode graphs) on the CPU
+        out["flex_path_greedy_equal"] = _flex_path_on_cpu(path, prompts, got, n_new)
     try:
         llm = LLM(path, dtype=torch.bfloat16, device=str(device))
         p = prompts[-1]
@@ -313,6 +330,8 @@ def stage_serve_correct(dry: bool) -> dict:
                  if e is not None]
         out["bf16_prompt_logprob_max_abs_diff"] = round(max(diffs), 4) if diffs else "no prompt logprobs"
         llm.shutdown()
+        llm = None
+        _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["bf16_prompt_logprob_max_abs_diff"] = _err(e)
     return out
@@ -351,12 +370,28 @@ def stage_serve_speed(dry: bool) -> dict:
         _sync(device)
         step = (time.perf_counter() - t) / n_new
         out["zeal_decode_step_ms"] = round(step * 1e3, 3)
+        out["decode_batch"], out["zeal_decode_step_ms_at_batch"] = n_req, _decode_step_ms(llm, prompts, n_new, device)
         if device.type == "cuda":
             bw = next((b for k, b in HBM_TBPS.items() if k in torch.cuda.get_device_name(device)), None)
             if bw:
                 out["decode_floor_ms"] = round(weight_bytes / (bw * 1e12) * 1e3, 3)
+                out["decode_at_batch_over_floor"] = round(out["zeal_decode_step_ms_at_batch"] / out["decode_floor_ms"], 2)
         out["profile"] = _profile_decode(llm, prompts[0], device)
+        out |= _serving_path(llm)
         llm.shutdown()
+        llm = None
+        _free(device)
+        if device.type == "cuda":  # the same workload without decode graphs
+            llm = LLM(path, dtype=dtype, device=str(device), enforce_eager=True)
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            _sync(device)
+            t = time.perf_counter()
+            llm.generate(prompts, params)
+            _sync(device)
+            out["zeal_eager_tokens_per_s"] = round(n_req * n_new / (time.perf_counter() - t), 1)
+            llm.shutdown()
+            llm = None
+            _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["zeal_error"] = _err(e)
     try:
@@ -372,6 +407,67 @@ def stage_serve_speed(dry: bool) -> dict:
     if out.get("zeal_tokens_per_s") and out.get("hf_generate_tokens_per_s"):
         out["zeal_over_hf"] = round(out["zeal_tokens_per_s"] / out["hf_generate_tokens_per_s"], 2)
     return out
+
+
+def _serving_path(llm) -> dict:
+    """Which serving path the engine took: attention backend, packed step inputs, decode graphs."""
+    r = llm.engine.runner
+    out = {"attention": type(r.attn_backend).__name__ if r.attn_backend is not None else
+           ("cpu_kernels" if r.kernels is not None else "torch_reference"),
+           "packed_step_inputs": r.packer is not None}
+    if r.graphs is not None:
+        out["decode_graphs"] = dict(r.graphs.stats) | {"buckets_captured": sorted(r.graphs.graphs)}
+    return out
+
+
+def _flex_path_on_cpu(path: str, prompts: list, ref, n_new: int) -> str:
+    """Greedy tokens through the accelerator's path run on the CPU (flex attention, packed
+    inputs, decode graphs with a fake graph) against the default CPU path's."""
+    import torch
+
+    from zeal.inference import LLM, SamplingParams
+    from zeal.inference.cuda_graphs import FakeGraph
+
+    if ref is None:
+        return "no reference tokens"
+    old = os.environ.get("ZEAL_ATTENTION_BACKEND")
+    os.environ["ZEAL_ATTENTION_BACKEND"] = "flex"
+    try:
+        # eager flex_attention scores every query against the whole cache: a small one
+        llm = LLM(path, dtype=torch.float32, device="cpu", num_blocks=64, block_size=16)
+        llm.engine.runner.enable_decode_graphs(8, llm.engine.max_seq_tokens, graph_factory=FakeGraph)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(
+            max_tokens=n_new, temperature=0.0, ignore_eos=True))]
+        llm.shutdown()
+        return f"{sum(int(list(a) == list(b)) for a, b in zip(got, ref))}/{len(prompts)}"
+    except Exception as e:  # noqa: BLE001 - reported
+        return _err(e)
+    finally:
+        if old is None:
+            os.environ.pop("ZEAL_ATTENTION_BACKEND", None)
+        else:
+            os.environ["ZEAL_ATTENTION_BACKEND"] = old
+
+
+def _decode_step_ms(llm, prompts: list, n_new: int, device) -> float:
+    """Median time of the decode-only engine steps with every request of ``prompts`` decoding."""
+    import statistics
+
+    from zeal.inference import SamplingParams
+
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(f"decode-bench-{i}", p, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
+    times = []
+    while eng.has_unfinished():
+        _sync(device)
+        t = time.perf_counter()
+        eng.step()
+        _sync(device)
+        st = eng.last_stats
+        if st.num_prompt_tokens == 0 and st.num_decode_tokens == len(prompts):
+            times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e3, 3) if times else float("nan")
 
 
 def _profile_decode(llm, prompt: list[int], device) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 import zeal.inference.engine as engine_mod
 from zeal.inference.async_engine import AsyncEngine
+from zeal.inference.device_sampler import sample_batch
 from zeal.inference.engine import EngineConfig, LLMEngine
 from zeal.inference.llm import load_model_and_tokenizer
 from zeal.inference.sampler import sample
@@ -93,7 +94,13 @@ def test_failing_sampling_fails_only_its_request(llama_dir, monkeypatch):
             raise ValueError("injected sampling failure")
         return sample(logits, histories, params, *args)
 
-    monkeypatch.setattr(engine_mod, "sample", flaky_sample)
+    def flaky_batch(logits, histories, params, *args, **kw):  # the batched (device) sampler fails alike
+        if any(p is bad and len(h[1]) >= 2 for p, h in zip(params, histories)):
+            raise ValueError("injected sampling failure")
+        return sample_batch(logits, histories, params, *args, **kw)
+
+    monkeypatch.setattr(engine_mod, "sample", flaky_sample)  # the row-by-row retry
+    monkeypatch.setattr(engine_mod, "sample_batch", flaky_batch)
     _check_isolated(_engine(llama_dir), bad, "injected sampling failure")
 
 

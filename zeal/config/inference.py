@@ -154,6 +154,12 @@ class EngineConfig(Section):
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method": "draft_model", "model": "PATH", '
         '"num_speculative_tokens": 4}; None = off.')
     lora: LoRAServingConfig = Field(default_factory=LoRAServingConfig, description="Multi-LoRA serving.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="On CUDA, when neither num_blocks nor kv_cache_bytes is given: the fraction "
+        "of the GPU's memory the engine may hold (weights, activations, and the KV cache in the rest), vLLM's "
+        "flag; on CUDA max_num_batched_tokens and max_num_seqs left unset take vLLM's GPU defaults (8192, 256).")
+    enforce_eager: bool = Field(
+        False, description="Never capture CUDA graphs for decode steps (vLLM's flag); CPU always runs eagerly.")
 
     @field_validator("speculative_config", mode="before")
     @classmethod

@@ -116,6 +116,10 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
     decodes: DecodePlan | DecodeTables | None = None
     kernels: object | None = None
+    # a batched paged-attention backend (zeal.inference.paged_flex) that attends instead of the code
+    # below, and the padded prompt chunks it reads (zeal.inference.step_inputs.PrefillBatch)
+    backend: object | None = None
+    prefill_batch: object | None = None
 
 
 def plan_decodes(rows: list[int], tables: list[list[int]], ctx_lens: list[int], block_size: int,
@@ -272,6 +276,8 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Write this pass's K/V into the cache, then attend. q: (T, nh, hd); k, v: (T, nkv, hd)."""
+    if meta.backend is not None:
+        return meta.backend.attend(q, k, v, k_cache, v_cache, meta)
     ops = meta.kernels
     scale = q.shape[-1] ** -0.5
     if ops is not None:  # the runner uses kernels only with the cache in the model's dtype

@@ -21,6 +21,9 @@ from torch import nn
 
 from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
+from zeal.inference.cuda_graphs import enable_for_engine
+from zeal.inference.device_sampler import apply_masks, sample_batch, verify_targets
+from zeal.inference.gpu_defaults import engine_sizes
 from zeal.inference.lora_adapters import LoadedAdapter, LoRARegistry, runtime_updating_allowed
 from zeal.inference.metrics import EngineMetrics
 from zeal.inference.model_runner import ModelRunner, as_serving_model, kv_bytes_per_block
@@ -31,7 +34,7 @@ from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.speculative import accept, draft_for, num_drafts
-from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks, mask_rows
+from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks
 from zeal.inference.tensor_parallel import GroupFailedError
 from zeal.inference.tokenizer import Tokenizer
 
@@ -69,15 +72,19 @@ class LLMEngine:
         # on CPU, decode attention runs one small matmul per block: larger blocks amortise them
         bs = cfg.block_size or (64 if p.device.type == "cpu" else 16)
         tp_size = tp.size if tp is not None else 1  # kv_cache_bytes is per rank: each caches its own heads
-        num_blocks = cfg.num_blocks or max(1, cfg.kv_cache_bytes // kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
+        # CPU: the config's sizes; CUDA: vLLM's defaults for those not given (gpu_defaults)
+        sizes = engine_sizes(cfg, smodel, p.device, kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
+        num_blocks = sizes.num_blocks
         self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size)
         if tp is not None:
             tp.attach(self.runner)  # the other ranks build their runners alike and follow rank 0's passes
         self.bm = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs), self.bm)
+        self.scheduler = Scheduler(SchedulerConfig(sizes.max_num_batched_tokens, sizes.max_num_seqs), self.bm)
         self.max_model_len = min(cfg.max_model_len or smodel.max_positions, smodel.max_positions)
         self.max_seq_tokens = min(self.max_model_len, num_blocks * bs)
         self.vocab_size = smodel.config.vocab_size
+        enable_for_engine(self.runner, smodel, sizes.max_num_seqs, self.max_seq_tokens, cfg.enforce_eager,
+                          tp is not None)  # CUDA graphs for decode steps (cuda_graphs)
         self.drafter = None  # speculative_config method 'draft_model': zeal.inference.draft_model
         spec = cfg.speculative_config
         if spec is not None and spec.method == "draft_model":
@@ -160,7 +167,9 @@ class LLMEngine:
 
     def _new_seq(self, req: _Request, index: int) -> Sequence:
         p = req.params
-        gen = torch.Generator().manual_seed(p.seed + index) if p.seed is not None else None
+        # on the logits' device: the sampler draws there (CPU: the stream it always had)
+        dev = self.runner.device
+        gen = torch.Generator(device=dev).manual_seed(p.seed + index) if p.seed is not None else None
         seq = Sequence(next(self._seq_ids), req.request_id, req.prompt_ids, p, index=index, generator=gen,
                        arrival_time=req.arrival_time, group=req.group)
         if req.lora is not None:
@@ -235,6 +244,8 @@ class LLMEngine:
             raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): let them finish "
                                "or abort them first")
         self.bm.reset_prefix_cache()  # the cached blocks' contents are about to be gone
+        if self.runner.graphs is not None:  # captured over the storages about to be released
+            self.runner.graphs.reset()
         self._kv_released = release([*self.runner.k_cache, *self.runner.v_cache])
         params = list(self.runner.model.parameters())
         if level == 2:
@@ -324,7 +335,7 @@ class LLMEngine:
         if len(rows) < num_sampled:
             logits = logits[rows]
         if masks is not None:
-            logits = mask_rows(logits, masks)
+            logits = apply_masks(logits, masks)
         results = self._sample(logits, to_sample, touched)
         now = time.monotonic()
         for row, (seq, res) in enumerate(zip(to_sample, results)):
@@ -385,7 +396,7 @@ class LLMEngine:
         alone; requests whose own pass raises are failed and their chunks dropped from
         ``sched`` (the rows returned follow the sampled chunks that remain)."""
         try:
-            return self.runner.execute(sched).cpu()
+            return self.runner.execute(sched)  # stays on the device: sampled there
         except GroupFailedError:
             raise  # the tensor-parallel group is gone: no request can run alone either
         except Exception as e:  # noqa: BLE001 - isolated below
@@ -400,7 +411,7 @@ class LLMEngine:
         copies = sched.copies  # copy-on-write once: a later copy would overwrite a slot written since
         for rid, chunks in groups.items():
             try:
-                out = self.runner.execute(SchedulerOutput(chunks=chunks, copies=copies)).cpu()
+                out = self.runner.execute(SchedulerOutput(chunks=chunks, copies=copies))
             except Exception as e:  # noqa: BLE001
                 self._fail(self.requests[rid], e, touched)
                 continue
@@ -420,7 +431,7 @@ class LLMEngine:
         hist = [(s.prompt_ids, s.output_ids) for s in seqs]
         params, gens = [s.params for s in seqs], [s.generator for s in seqs]
         try:
-            return sample(logits, hist, params, gens, self.runner.argmax)
+            return sample_batch(logits, hist, params, gens, self.runner.argmax)
         except Exception:  # noqa: BLE001 - isolated below
             pass
         results = []
@@ -458,13 +469,15 @@ class LLMEngine:
         """Accept the drafts that greedy decoding confirms, append the step's tokens, roll the
         rest back (their blocks freed, their slots left to be overwritten). Returns tokens added."""
         added = 0
-        for seq, row, drafts in spec:
+        # every verified row's greedy token from one argmax and one transfer
+        targets = verify_targets(logits, [(row, 1 + len(drafts)) for _, row, drafts in spec], self.runner.argmax)
+        for (seq, _row, drafts), target in zip(spec, targets):
             req = self.requests[seq.request_id]
             if req.error is not None:
                 continue
             touched[req.request_id] = req
             try:
-                toks = accept(drafts, self.runner.argmax(logits[row : row + 1 + len(drafts)]).tolist())
+                toks = accept(drafts, target)
                 self.metrics.on_spec(len(drafts), len(toks) - 1)
                 seq.num_computed += len(toks) - 1  # the accepted drafts' KV is the sequence's now
                 for t in toks:

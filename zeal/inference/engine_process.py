@@ -116,8 +116,9 @@ class EngineProcess(StreamFront):
         self.tokenizer = tokenizer
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=child_main, args=(child, cfg.model_dump_json()), name="zeal-engine",
-                                 daemon=True)
+        # unset fields stay unset in the child (on CUDA they take gpu_defaults' values there)
+        self._proc = ctx.Process(target=child_main, args=(child, cfg.model_dump_json(exclude_unset=True)),
+                                 name="zeal-engine", daemon=True)
         self._proc.start()
         child.close()
         if not self._conn.poll(startup_timeout):

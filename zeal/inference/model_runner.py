@@ -21,7 +21,9 @@ from zeal.inference.attention import (
 from zeal.inference.exact_logits import HiddenCapture, refine_top_logits
 from zeal.inference.kernels import cpu_kernels
 from zeal.inference.packed_linear import packed_linears_for
+from zeal.inference.paged_flex import attention_backend
 from zeal.inference.sequence import SchedulerOutput
+from zeal.inference.step_inputs import StepInputPacker
 
 # what a model must have to be served: zeal's GPT and Llama have them all
 SERVING_ATTRS = ("num_layers", "num_kv_heads", "head_dim", "max_positions", "config")
@@ -100,7 +102,15 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.num_block_copies = 0
         # under tensor parallelism (``tp_size`` ranks) this rank caches its own key/value heads only
-        shape = (num_blocks, self.model.num_kv_heads // tp_size, block_size, self.model.head_dim)
+        # accelerators (or ZEAL_ATTENTION_BACKEND=flex): the batched paged attention of paged_flex, fed
+        # by one packed host-to-device transfer of the step's inputs (step_inputs); None: CPU paths
+        self.attn_backend = attention_backend(self.device, self.kv_dtype, self.dtype)
+        self.packer = StepInputPacker(self.device, block_size) if self.attn_backend is not None else None
+        self.graphs = None  # zeal.inference.cuda_graphs.DecodeGraphs (enable_decode_graphs)
+        # with the backend, one scratch block past the block manager's: padding rows of a graphed decode write there
+        self.scratch_slot = num_blocks * block_size
+        extra = 1 if self.attn_backend is not None else 0
+        shape = (num_blocks + extra, self.model.num_kv_heads // tp_size, block_size, self.model.head_dim)
         # rank 0 under tensor parallelism: ``tp_driver.pass_of(plan)`` sends each plan to the other ranks
         self.tp_driver = None
         # fused CPU kernels (attention over the block tables, norms, RoPE, activations, argmax)
@@ -203,6 +213,8 @@ class ModelRunner:
                                                                  torch.Tensor]:
         """The pass's tensors: token ids, positions, attention metadata, rows to sample."""
         p = out if isinstance(out, StepPlan) else self.plan(out)
+        if self.packer is not None:
+            return self.packer.prepare(p, self.kernels, self.attn_backend)
         bs, dev = self.block_size, self.device
         prefills = [PrefillChunk(row0, n, ctx, torch.tensor(table, dtype=torch.int32, device=dev))
                     for row0, n, ctx, table in p.prefills]
@@ -232,11 +244,31 @@ class ModelRunner:
         self.copy_blocks([(s, d) for s, d in plan.copies])
         if plan.empty:
             return torch.empty(0, self.vocab_size)
+        if self.graphs is not None and _decode_only(plan):
+            return self._graphed_decode(plan)
         input_ids, positions, meta, sample_rows = self.prepare(plan)
         attention = PagedAttention(self.k_cache, self.v_cache, meta)  # its ops: self.kernels
         with (self.packed.active() if self.packed is not None else contextlib.nullcontext(),
               self.lora.active(plan.lora_slots) if plan.lora_slots else contextlib.nullcontext()):
             return self._forward(input_ids, positions, attention, sample_rows)
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_seq_tokens: int, enforce_eager: bool = False,
+                             graph_factory=None) -> None:
+        """Run decode-only passes through graphs captured per batch-size bucket
+        (:mod:`zeal.inference.cuda_graphs`; ``graph_factory``: CUDA graphs by default)."""
+        from zeal.inference.cuda_graphs import runner_decode_graphs
+
+        if self.attn_backend is None:
+            raise ValueError("decode graphs need the batched attention backend (ZEAL_ATTENTION_BACKEND=flex)")
+        self.graphs = runner_decode_graphs(self, max_num_seqs, max_seq_tokens, enforce_eager, graph_factory)
+
+    def _graphed_decode(self, plan: StepPlan) -> torch.Tensor:
+        """A decode-only pass through :attr:`graphs` (inputs from one packed transfer)."""
+        f, _ = self.packer.transfer(plan)
+        tables = f["dec_tables"]
+        tables = torch.nn.functional.pad(tables, (0, self.graphs.static["tables"].shape[1] - tables.shape[1]))
+        return self.graphs.run({"ids": f["ids"], "pos": f["pos"], "slots": f["slots"], "tables": tables,
+                                "lens": f["dec_lens"]})
 
     def _forward(self, input_ids, positions, attention, sample_rows) -> torch.Tensor:
         """The model over one pass's flat batch (16-bit fused path: the top logits refined)."""
@@ -249,3 +281,10 @@ class ModelRunner:
         if cap.hidden is None or cap.hidden.shape[0] != logits.shape[0]:
             return logits
         return refine_top_logits(logits, cap.hidden, head.weight, head.bias)
+
+
+def _decode_only(plan: StepPlan) -> bool:
+    """A pass of decodes only (one row each, all sampled, no adapter): what a decode graph runs."""
+    n = len(plan.ids)
+    return (not plan.prefills and not plan.lora_slots and len(plan.dec_rows) == n
+            and plan.dec_rows == list(range(n)) and plan.sample_rows == plan.dec_rows)
