@@ -34,7 +34,7 @@ from zeal.deepspeed.ds_config import as_deepspeed_reads
 from zeal.deepspeed.engine import DeepSpeedEngine, PipelineEngine
 from zeal.deepspeed.hybrid_engine import DeepSpeedHybridEngine, split_hybrid
 from zeal.deepspeed.pipe import PipelineModule
-from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
+from zeal.deepspeed.refusals import deepspeed_names, reason_by_prefix, refuse
 from zeal.deepspeed.utils import OnDevice, log_dist, logger
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedHybridEngine", "OnDevice", "PipelineEngine", "PipelineModule", "accelerator",
@@ -88,7 +88,7 @@ def __getattr__(name: str) -> Any:
         return ConfigError
     reason = reason_by_prefix(name, _REASONS)
     if reason is not None or name in deepspeed_names()["top_level"]:
-        raise Refused(f"deepspeed.{name}", reason)
+        return refuse(f"deepspeed.{name}", reason)
     raise AttributeError(f"module 'deepspeed' has no attribute {name!r}")
 
 
