@@ -541,12 +541,12 @@ class DeepSpeedEngine(nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
         """Load ``tag`` (default: the latest) and return ``(path, client_state)``; with no
-        checkpoint there, ``(None, None)`` as in DeepSpeed."""
+        checkpoint there, ``(None, None)`` as in DeepSpeed. ``load_module_strict=False`` (the
+        Trainer's resume of a PEFT model) loads as strict does: zeal's checkpoints hold every
+        parameter, and one whose names differ from the model's is refused naming them."""
         if custom_load_fn is not None:
             raise Refused("load_checkpoint(custom_load_fn=...)", "load with engine.load_checkpoint, then adjust "
                           "values with GatheredParameters")
-        if not load_module_strict:
-            raise Refused("load_checkpoint(load_module_strict=False)", "zeal loads checkpoints strictly")
         from pathlib import Path
 
         from zeal.checkpoint.files import resolve_tags
