@@ -129,3 +129,20 @@ def test_z3_leaf_marks_as_deepspeeds():
     assert set_z3_leaf_modules_by_suffix(model, ["2.w"], raise_if_not_found=False) == ([model[2].w], [])
     with pytest.raises(ValueError, match="no module of class"):
         set_z3_leaf_modules(model, [nn.Conv1d])
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_gather_16bit_weights_on_model_save_reaches_the_accessor(value):
+    """Hugging Face's ``save_model`` at ZeRO-3 asks the engine (through accelerate's
+    ``get_state_dict``) and writes ``model.safetensors`` when it answers True; zeal dropped
+    the key as "no effect", answered False, and run_clm.py saved a checkpoint folder instead."""
+    import zeal.deepspeed as deepspeed
+
+    model = nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": value}},
+        dist_init_required=False)
+    assert engine.zero_gather_16bit_weights_on_model_save() is value
+    state = engine._zero3_consolidated_16bit_state_dict()
+    assert set(state) == {"weight", "bias"}

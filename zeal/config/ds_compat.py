@@ -109,7 +109,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.stage3_module_granularity_threshold": "zeal gathers whole units",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "zeal gathers with all-gather",
     "zero_optimization.stage3_allgather_sequential": "DeepSpeed-internal",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "save_16bit_model always gathers",
     "zero_optimization.offload_optimizer.pipeline_read": "DeepSpeed-internal",
     "zero_optimization.offload_optimizer.pipeline_write": "DeepSpeed-internal",
     "zero_optimization.offload_optimizer.pipeline": "DeepSpeed-internal",
