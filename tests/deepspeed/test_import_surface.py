@@ -146,3 +146,29 @@ def test_gather_16bit_weights_on_model_save_reaches_the_accessor(value):
     assert engine.zero_gather_16bit_weights_on_model_save() is value
     state = engine._zero3_consolidated_16bit_state_dict()
     assert set(state) == {"weight", "bias"}
+
+
+def test_load_checkpoint_leaves_the_random_generators_as_deepspeed_does(tmp_path):
+    """HelloDeepSpeed's resume (dropout, NumPy-drawn masks) drew other numbers than under
+    DeepSpeed: zeal's load restored the generators saved with the checkpoint; DeepSpeed saves none."""
+    import random
+
+    import numpy as np
+
+    import zeal.deepspeed as deepspeed
+
+    model = nn.Linear(4, 4)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, dist_init_required=False)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    draws = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        np.random.seed(7)
+        random.seed(7)
+        if draws:
+            path, client = engine.load_checkpoint(str(tmp_path), tag="t")
+            assert path.endswith("t") and client == {}
+        draws.append((torch.rand(3).tolist(), np.random.rand(), random.random()))
+    assert draws[0] == draws[1]
+    assert engine.load_checkpoint(str(tmp_path / "none")) == (None, None)
