@@ -172,3 +172,21 @@ def test_load_checkpoint_leaves_the_random_generators_as_deepspeed_does(tmp_path
         draws.append((torch.rand(3).tolist(), np.random.rand(), random.random()))
     assert draws[0] == draws[1]
     assert engine.load_checkpoint(str(tmp_path / "none")) == (None, None)
+
+
+def test_trl_reference_model_config_with_dotted_keys_initializes():
+    """TRL's ``prepare_deepspeed`` (the DPO / GRPO reference model at ZeRO-3) copies the
+    accelerate config and adds top-level keys such as ``"zero_optimization.reduce_bucket_size"``;
+    DeepSpeed ignores them, zeal refused them as unknown keys. No optimizer: an eval-only engine."""
+    import zeal.deepspeed as deepspeed
+
+    model = nn.Linear(8, 8)
+    ref = nn.Linear(8, 8)
+    ref.load_state_dict(model.state_dict())
+    engine, optimizer, *_ = deepspeed.initialize(model=model, dist_init_required=False, config={
+        "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2, "zero_optimization": {"stage": 3},
+        "zero_optimization.reduce_bucket_size": 64, "zero_optimization.stage3_prefetch_bucket_size": 57.6})
+    engine.eval()
+    x = torch.ones(1, 8)
+    with torch.no_grad():
+        assert torch.allclose(engine(x), ref(x))

@@ -176,6 +176,9 @@ def translate(raw: dict[str, Any], auto: AutoValues | None = None) -> tuple[dict
     notes: list[str] = []
     for k in [k for k in cfg if isinstance(k, str) and k.startswith("_")]:
         del cfg[k]  # "_comment" and friends: DeepSpeed ignores them
+    for k in [k for k in cfg if isinstance(k, str) and "." in k]:  # TRL's prepare_deepspeed adds these
+        del cfg[k]
+        notes.append(f"'{k}' (a dotted top-level key) is ignored, as DeepSpeed ignores it: nest it in its section")
     _legacy_forms(cfg, notes)
     _aliases(cfg, notes)
     _sequence_parallel_section(cfg, notes)
