@@ -37,7 +37,8 @@ def _initialize(tmp_path: Path, stage: int, ranks: int) -> dict:
                     *script], tmp_path)
 
 
-@pytest.mark.parametrize(("stage", "ranks"), [(0, 1), (3, 2), pytest.param(1, 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize(("stage", "ranks"), [(3, 1), pytest.param(0, 1, marks=pytest.mark.slow),
+                                              pytest.param(3, 2, marks=pytest.mark.slow),
                                               pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_peft_model_through_initialize_trains_only_the_adapters(tmp_path, stage, ranks):
     got = _initialize(tmp_path, stage, ranks)
@@ -57,7 +58,8 @@ def _trainer(tmp_path: Path, name: str, *args: str) -> dict:
     return _result(cmd if "--no-deepspeed" in args else ["-m", "zeal.deepspeed", *cmd], tmp_path)
 
 
-@pytest.mark.parametrize("stage", [3, pytest.param(0, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default tier: test_load_checkpoint_not_strict_loads_a_frozen_base_model
+@pytest.mark.parametrize("stage", [3, 0, 2])
 def test_peft_model_through_the_trainer_deepspeed_path(tmp_path, stage):
     full = _trainer(tmp_path, "full", "--stage", str(stage))
     plain = _trainer(tmp_path, "plain", "--no-deepspeed")
@@ -68,3 +70,36 @@ def test_peft_model_through_the_trainer_deepspeed_path(tmp_path, stage):
     resumed = _trainer(tmp_path, "full", "--stage", str(stage), "--resume", str(tmp_path / "full" / "checkpoint-2"))
     for step in ("3", "4"):
         assert resumed["losses"][step] == pytest.approx(full["losses"][step], rel=1e-6)
+
+
+def test_load_checkpoint_not_strict_loads_a_frozen_base_model(tmp_path):
+    """The Trainer resumes a PEFT model with ``load_checkpoint(load_module_strict=False)``;
+    zeal refused it. Frozen base + trainable adapter, ZeRO-3 on one process."""
+    import torch
+    from torch import nn
+
+    import zeal.deepspeed as deepspeed
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        model[0].requires_grad_(False)
+        return model
+
+    config = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 3}}
+    model = build()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=config, dist_init_required=False)
+    x = torch.ones(2, 4)
+    engine.backward(engine(x).sum())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    saved = {k: v.clone() for k, v in engine.state_dict().items()}
+    fresh_model = build()
+    fresh, *_ = deepspeed.initialize(model=fresh_model, config=config, dist_init_required=False,
+                                     model_parameters=[p for p in fresh_model.parameters() if p.requires_grad])
+    path, _ = fresh.load_checkpoint(str(tmp_path), load_module_strict=False)
+    assert path is not None and fresh.global_steps == 1
+    assert all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+    assert not torch.equal(saved["module.1.weight"], build()[1].weight.detach())  # the adapter stepped
