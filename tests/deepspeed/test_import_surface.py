@@ -190,3 +190,24 @@ def test_trl_reference_model_config_with_dotted_keys_initializes():
     x = torch.ones(1, 8)
     with torch.no_grad():
         assert torch.allclose(engine(x), ref(x))
+
+
+def test_an_mpu_that_restates_the_config_is_accepted_one_that_splits_by_hand_is_refused():
+    """DeepSpeedExamples' AutoTP example passes ``mpu=`` beside ``tensor_parallel.autotp_size``;
+    zeal refused any mpu. Now one that restates the config is checked and accepted."""
+    from zeal.deepspeed.mpu import check_mpu
+
+    class MPU:
+        def __init__(self, tp: int, dp: int) -> None:
+            self.tp, self.dp = tp, dp
+
+        def get_model_parallel_world_size(self) -> int:
+            return self.tp
+
+        def get_data_parallel_world_size(self) -> int:
+            return self.dp
+
+    check_mpu(MPU(2, 1), {"tensor_parallel": {"autotp_size": 2}})
+    check_mpu(MPU(1, 2), {})
+    with pytest.raises(ValueError, match="tensor-parallel size 2 .* config 1 .*split by hand"):
+        check_mpu(MPU(2, 1), {"train_batch_size": 2})
