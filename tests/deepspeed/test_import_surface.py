@@ -207,7 +207,10 @@ def test_an_mpu_that_restates_the_config_is_accepted_one_that_splits_by_hand_is_
         def get_data_parallel_world_size(self) -> int:
             return self.dp
 
-    check_mpu(MPU(2, 1), {"tensor_parallel": {"autotp_size": 2}})
+    check_mpu(MPU(2, 1), {"tensor_parallel": {"autotp_size": 2}, "data_parallel_size": 1})
+    from zeal.config import load_config
+
+    assert load_config({"train_batch_size": 2, "tensor_parallel": {"autotp_size": 2}, "data_parallel_size": 1})
     check_mpu(MPU(1, 2), {})
     with pytest.raises(ValueError, match="tensor-parallel size 2 .* config 1 .*split by hand"):
         check_mpu(MPU(2, 1), {"train_batch_size": 2})

@@ -61,6 +61,7 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
 
 # Accepted and without effect in zeal: the reason is said once in the log.
 NO_EFFECT: dict[str, str] = {
+    "data_parallel_size": "zeal derives it: world size / (tensor × pipeline)",
     "zero_allow_untested_optimizer": "zeal runs any torch optimizer under every stage",
     "zero_force_ds_cpu_optimizer": "zeal picks its CPU optimizer itself",
     "memory_breakdown": "see engine.memory_breakdown()", "dump_state": "DeepSpeed-internal debugging",
