@@ -62,8 +62,11 @@ def names_from_sdist(sdist: str) -> dict:
     module_names = {n for n in dir(torch.nn.Module) if _public(n)}
     return {"deepspeed_version": "0.19.8",
             "source": "AST of deepspeed/__init__.py and DeepSpeedEngine in deepspeed/runtime/engine.py "
-                      "(DeepSpeed 0.19.8 sdist); engine names inherited from torch.nn.Module listed apart",
+                      "(DeepSpeed 0.19.8 sdist); engine names inherited from torch.nn.Module listed apart; "
+                      "modules: every deepspeed/**/*.py of the sdist as a dotted name",
             "top_level": sorted(n for n in top if _public(n)),
+            "modules": sorted({p[:-3].removesuffix("/__init__").replace("/", ".") for p in files
+                               if p.startswith("deepspeed/") and p.endswith(".py")}),
             "engine": sorted(n for n in engine if _public(n)),
             "engine_from_nn_module": sorted(module_names)}
 

@@ -55,6 +55,11 @@ def train(out: str, a: argparse.Namespace, recorder: Recorder, resume: str | Non
     set_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    if a.peft:  # LoRA adapters, as TRL hands the model over; only they train
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0))
     rows = tokens(512, SEQ, VOCAB, seed=21)
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
                       callbacks=[Losses(recorder)])
@@ -67,6 +72,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--ds-optimizer", action="store_true")
     ap.add_argument("--resume-at", type=int, default=0)
+    ap.add_argument("--peft", action="store_true", help="wrap the model with peft.get_peft_model (LoRA)")
     ap.add_argument("--local_rank", type=int, default=-1)
     a = ap.parse_args()
     rank = int(os.environ.get("RANK", 0))

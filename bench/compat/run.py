@@ -81,6 +81,10 @@ def cases(steps: int) -> list[Case]:
             "-resume" if "--resume-at" in extra else "")
         out.append(Case(name, "hf_trainer_ds.py", what, ranks, stage, ["--stage", str(stage), *extra, *s],
                         switch=True))
+    for ranks, stage in ((1, 0), (2, 3)):
+        out.append(Case(f"hf-trainer-peft-z{stage}-r{ranks}-resume", "hf_trainer_ds.py",
+                        "HF Trainer, peft.get_peft_model (LoRA q/v): adapters only; save, resume_from_checkpoint",
+                        ranks, stage, ["--stage", str(stage), "--peft", "--resume-at", "10", *s], switch=True))
     return out
 
 

@@ -105,9 +105,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--launcher", default="pdsh", help="accepted; zeal starts no remote processes (torchrun only)")
     p.add_argument("--log_dir", default=None, help="where a failing rank writes its traceback (rankN.log)")
     p.add_argument("--dry_run", action="store_true", help="print the torchrun command and exit")
+    _add_accepted_flags(p)
     p.add_argument("user_script", help="the DeepSpeed training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
     return p
+
+
+def _add_accepted_flags(p: argparse.ArgumentParser) -> None:
+    """The rest of DeepSpeed's launcher flags, so that a run script's command line parses:
+    core binding and per-rank logs act; the remote-launch ones have nothing to do here."""
+    p.add_argument("--bind_cores_to_rank", action="store_true",
+                   help="give each rank its own share of the cores (affinity + OMP_NUM_THREADS)")
+    p.add_argument("--bind_core_list", default=None, help="cores to share out, e.g. 0,2-5 (default: all)")
+    p.add_argument("--enable_each_rank_log", default="None", help="folder for one stdout/stderr log per rank")
+    p.add_argument("--save_pid", action="store_true", help="write this launcher's pid to /tmp/<pid>.ds")
+    p.add_argument("--autotuning", default="", choices=["tune", "run"], help="refused: no autotuner in zeal")
+    p.add_argument("--log_level", default="info", choices=["debug", "info", "warning", "error", "critical"],
+                   help="accepted (the launcher's own log level)")
+    p.add_argument("-q", "--quiet", action="store_true", help="accepted (--log_level error)")
+    for flag in ("--no_ssh", "--no_ssh_check", "--force_multi"):
+        p.add_argument(flag, action="store_true", help="accepted; zeal starts no remote processes")
+    for flag in ("--launcher_args", "--ssh_port", "--venv_script"):
+        p.add_argument(flag, default=None, help="accepted; zeal starts no remote processes")
+
+
+def _rank_env(args: argparse.Namespace, nproc: int) -> dict[str, str]:
+    """Environment for the ranks from the core-binding and per-rank-log flags (read by
+    :func:`zeal.deepspeed.__main__.apply_rank_env` in each rank)."""
+    from zeal.deepspeed.__main__ import BIND_CORES, RANK_LOG_DIR, cores_of_rank
+
+    env: dict[str, str] = {}
+    if args.bind_cores_to_rank:
+        cores = args.bind_core_list or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        per_rank = cores_of_rank(cores, nproc, 0)  # checks the list and that every rank gets a core
+        env[BIND_CORES] = cores
+        env["OMP_NUM_THREADS"] = str(len(per_rank))
+    if args.enable_each_rank_log != "None":
+        Path(args.enable_each_rank_log).mkdir(parents=True, exist_ok=True)
+        env[RANK_LOG_DIR] = str(Path(args.enable_each_rank_log).resolve())
+    return env
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +153,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.no_python:
         raise ValueError("--no_python: zeal deepspeed runs Python scripts (zeal's DeepSpeed lives in Python)")
+    if args.autotuning:
+        raise ValueError(f"--autotuning {args.autotuning}: zeal has no autotuner; size the job with "
+                         "`zeal estimate --budget` and pass the config as it is")
+    if args.save_pid:
+        Path(f"/tmp/{os.getpid()}.ds").write_text(str(os.getpid()))
     if args.hostfile:
         path = Path(args.hostfile)
         if not path.is_file():
@@ -139,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(argv))
         return 0
-    env = {ENV: "1", "LOCAL_SIZE": str(len(slots)), "CROSS_RANK": str(node_rank), "CROSS_SIZE": str(len(hosts))}
+    env = {ENV: "1", "LOCAL_SIZE": str(len(slots)), "CROSS_RANK": str(node_rank), "CROSS_SIZE": str(len(hosts)),
+           **_rank_env(args, len(slots))}
     if not args.no_local_rank:
         env[PASS_LOCAL_RANK] = "1"
     if _has_cuda():  # DeepSpeed's launcher shows each node only its selected devices

@@ -61,6 +61,7 @@ UNSUPPORTED: dict[str, tuple[str, tuple]] = {
 
 # Accepted and without effect in zeal: the reason is said once in the log.
 NO_EFFECT: dict[str, str] = {
+    "data_parallel_size": "zeal derives it: world size / (tensor × pipeline)",
     "zero_allow_untested_optimizer": "zeal runs any torch optimizer under every stage",
     "zero_force_ds_cpu_optimizer": "zeal picks its CPU optimizer itself",
     "memory_breakdown": "see engine.memory_breakdown()", "dump_state": "DeepSpeed-internal debugging",
@@ -109,7 +110,6 @@ NO_EFFECT: dict[str, str] = {
     "zero_optimization.stage3_module_granularity_threshold": "zeal gathers whole units",
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": "zeal gathers with all-gather",
     "zero_optimization.stage3_allgather_sequential": "DeepSpeed-internal",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "save_16bit_model always gathers",
     "zero_optimization.offload_optimizer.pipeline_read": "DeepSpeed-internal",
     "zero_optimization.offload_optimizer.pipeline_write": "DeepSpeed-internal",
     "zero_optimization.offload_optimizer.pipeline": "DeepSpeed-internal",
@@ -177,6 +177,9 @@ def translate(raw: dict[str, Any], auto: AutoValues | None = None) -> tuple[dict
     notes: list[str] = []
     for k in [k for k in cfg if isinstance(k, str) and k.startswith("_")]:
         del cfg[k]  # "_comment" and friends: DeepSpeed ignores them
+    for k in [k for k in cfg if isinstance(k, str) and "." in k]:  # TRL's prepare_deepspeed adds these
+        del cfg[k]
+        notes.append(f"'{k}' (a dotted top-level key) is ignored, as DeepSpeed ignores it: nest it in its section")
     _legacy_forms(cfg, notes)
     _aliases(cfg, notes)
     _sequence_parallel_section(cfg, notes)

@@ -180,7 +180,9 @@ class ZeroConfig(Section):
         "DeepSpeed's default 1e9 keeps the model gathered between forward and backward, trading "
         "memory for the backward all-gather.",
     )
-    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="Accepted for compatibility.")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False, description="DeepSpeed's: what engine.zero_gather_16bit_weights_on_model_save() answers (Hugging "
+                           "Face / accelerate then save whole weights, else a checkpoint); save_16bit_model always gathers.")
     sub_group_size: int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group (offload streaming).")
     offload_optimizer: OffloadOptimizerConfig = Field(
         default_factory=OffloadOptimizerConfig, description="ZeRO-Offload / Infinity: optimizer state on CPU or disk.")

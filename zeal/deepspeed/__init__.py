@@ -34,7 +34,7 @@ from zeal.deepspeed.ds_config import as_deepspeed_reads
 from zeal.deepspeed.engine import DeepSpeedEngine, PipelineEngine
 from zeal.deepspeed.hybrid_engine import DeepSpeedHybridEngine, split_hybrid
 from zeal.deepspeed.pipe import PipelineModule
-from zeal.deepspeed.refusals import Refused, deepspeed_names, reason_by_prefix
+from zeal.deepspeed.refusals import deepspeed_names, reason_by_prefix, refuse
 from zeal.deepspeed.utils import OnDevice, log_dist, logger
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedHybridEngine", "OnDevice", "PipelineEngine", "PipelineModule", "accelerator",
@@ -88,7 +88,7 @@ def __getattr__(name: str) -> Any:
         return ConfigError
     reason = reason_by_prefix(name, _REASONS)
     if reason is not None or name in deepspeed_names()["top_level"]:
-        raise Refused(f"deepspeed.{name}", reason)
+        return refuse(f"deepspeed.{name}", reason)
     raise AttributeError(f"module 'deepspeed' has no attribute {name!r}")
 
 
@@ -117,14 +117,15 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     optimizer or name their key in a ConfigError. A :class:`PipelineModule` with no
     ``pipeline_parallel`` section in the config sets the pipeline size to its
     ``num_stages``. An enabled ``hybrid_engine`` section returns a
-    :class:`DeepSpeedHybridEngine` (training plus ``generate``). ``mpu`` and ``mesh_param`` (Megatron's model-parallel objects) are
-    refused: zeal's tensor and pipeline parallelism come from the config
-    (``tensor_parallel.autotp_size``, ``pipeline_parallel``)."""
+    :class:`DeepSpeedHybridEngine` (training plus ``generate``). zeal's tensor and pipeline
+    parallelism come from the config (``tensor_parallel.autotp_size``, ``pipeline_parallel``):
+    an ``mpu`` is accepted when it restates that layout (:mod:`zeal.deepspeed.mpu`, as
+    DeepSpeed's AutoTP examples pass it), ``mesh_param`` is refused."""
     import zeal
     from zeal.pipe.module import PipelineModule as ZealPipelineModule
 
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("deepspeed.initialize: mpu / mesh_param are not supported by zeal; set "
+    if mesh_param is not None:
+        raise ValueError("deepspeed.initialize: mesh_param is not supported by zeal; set "
                          "tensor_parallel.autotp_size / pipeline_parallel in the config instead")
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
@@ -139,6 +140,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         config = _with_pipeline_size(config, model.num_stages)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    if mpu is not None:
+        from zeal.deepspeed.mpu import check_mpu
+
+        check_mpu(mpu, _as_dict(config))
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     given = config  # what DeepSpeed's engine.config holds
     config, hybrid = split_hybrid(as_deepspeed_reads(config))

@@ -541,27 +541,17 @@ class DeepSpeedEngine(nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None) -> tuple[str | None, dict | None]:
         """Load ``tag`` (default: the latest) and return ``(path, client_state)``; with no
-        checkpoint there, ``(None, None)`` as in DeepSpeed."""
+        checkpoint there, ``(None, None)`` as in DeepSpeed. ``load_module_strict=False`` (the
+        Trainer's resume of a PEFT model) loads as strict does: zeal's checkpoints hold every
+        parameter, and one whose names differ from the model's is refused naming them. As
+        DeepSpeed's, it leaves the random generators as they are (zeal's own load restores them)."""
         if custom_load_fn is not None:
             raise Refused("load_checkpoint(custom_load_fn=...)", "load with engine.load_checkpoint, then adjust "
                           "values with GatheredParameters")
-        if not load_module_strict:
-            raise Refused("load_checkpoint(load_module_strict=False)", "zeal loads checkpoints strictly")
-        from pathlib import Path
+        from zeal.deepspeed.saving import load_keeping_rng
 
-        from zeal.checkpoint.files import resolve_tags
-
-        try:
-            tags = resolve_tags(Path(load_dir), None if tag is None else str(tag))
-        except (FileNotFoundError, ValueError):
-            tags = []
-        if tag is None and not tags:
-            return None, None
-        client = self.engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
-                                             load_optimizer_states=load_optimizer_states,
-                                             load_lr_scheduler_states=load_lr_scheduler_states,
-                                             load_module_only=load_module_only)
-        return os.path.join(load_dir, tags[0] if tags else str(tag)), client
+        return load_keeping_rng(self.engine, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                load_module_only)
 
     @classmethod
     def surface(cls, name: str) -> str:

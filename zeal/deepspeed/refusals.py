@@ -8,9 +8,12 @@ there is one, what to use in zeal instead. DeepSpeed's names themselves come fro
 
 from __future__ import annotations
 
+import dis
 import functools
 import json
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 class Refused(NotImplementedError, AttributeError):
@@ -36,3 +39,50 @@ def reason_by_prefix(name: str, table: dict[str, str]) -> str | None:
         return table[name]
     best = max((k for k in table if k.endswith("*") and name.startswith(k[:-1])), key=len, default=None)
     return table[best] if best else None
+
+
+_IMPORT_FROM = {dis.opmap[n] for n in ("IMPORT_FROM", "IMPORT_NAME") if n in dis.opmap}
+
+
+class RefusedName:
+    """What ``from deepspeed.x import Name`` gives for a DeepSpeed name zeal does not
+    implement: the import succeeds (scripts import such names at the top and use them only
+    behind a flag), and any use — calling, instantiating, subclassing, an attribute,
+    iterating — raises :class:`Refused`, one line naming the API and what to use instead."""
+
+    def __init__(self, api: str, reason: str | None) -> None:
+        object.__setattr__(self, "_api", api)
+        object.__setattr__(self, "_reason", reason)
+
+    def _refuse(self, *args: object, **kwargs: object) -> NoReturn:
+        raise Refused(object.__getattribute__(self, "_api"), object.__getattribute__(self, "_reason"))
+
+    __call__ = __iter__ = __len__ = __getitem__ = __enter__ = __setattr__ = _refuse
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._refuse()
+
+    def __mro_entries__(self, bases: tuple) -> NoReturn:  # class X(RefusedThing): ...
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return f"<{object.__getattribute__(self, '_api')}: not supported by zeal>"
+
+
+def importing_from(depth: int = 2) -> bool:
+    """Whether the frame ``depth`` up is executing ``from module import name`` (the module's
+    ``__getattr__`` was called by the import, not by an attribute access)."""
+    frame = sys._getframe(depth)
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and code[frame.f_lasti] in _IMPORT_FROM
+
+
+def refuse(api: str, reason: str | None) -> RefusedName:
+    """For a module ``__getattr__``: a :class:`RefusedName` when the name is being imported
+    with ``from ... import``, else raise :class:`Refused` at the attribute (so ``hasattr``
+    stays False for libraries that probe)."""
+    if importing_from(3):
+        return RefusedName(api, reason)
+    raise Refused(api, reason)

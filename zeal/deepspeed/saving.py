@@ -3,7 +3,11 @@ exists replaces it (Hugging Face's Trainer saves ``global_stepN`` twice under Ze
 ``stage3_gather_16bit_weights_on_model_save`` is off), where zeal's own save refuses.
 
 The old folder is moved aside (``.<tag>.replaced``), the new one is written and committed
-by zeal's atomic save, then the old one is deleted; a failed save puts it back."""
+by zeal's atomic save, then the old one is deleted; a failed save puts it back.
+
+``load_checkpoint`` returns ``(path, client_state)`` (``(None, None)`` when there is no
+checkpoint) and, as DeepSpeed's, does not touch the random generators: a script that
+resumes draws the dropout masks and data it would draw under DeepSpeed."""
 
 from __future__ import annotations
 
@@ -42,3 +46,26 @@ def save_replacing(engine: Any, save_dir: str, tag: str, client_state: dict) -> 
     if moved:
         shutil.rmtree(aside, ignore_errors=True)
     return path
+
+
+def load_keeping_rng(engine: Any, load_dir: str, tag: Any, load_optimizer_states: bool,
+                     load_lr_scheduler_states: bool, load_module_only: bool) -> tuple[str | None, dict | None]:
+    """DeepSpeed's ``load_checkpoint`` over zeal's engine: the tag (default: the latest),
+    ``(None, None)`` without a checkpoint, the Python / NumPy / torch generators unchanged
+    (zeal's own load restores the saved ones; DeepSpeed saves none)."""
+    from zeal.checkpoint.extra_state import rng_state, set_rng_state
+    from zeal.checkpoint.files import CheckpointError, resolve_tags
+
+    try:
+        tags = resolve_tags(Path(load_dir), None if tag is None else str(tag))
+    except (CheckpointError, FileNotFoundError, ValueError):  # no folder, no committed tag
+        tags = []
+    if tag is None and not tags:
+        return None, None
+    keep = rng_state()
+    client = engine.load_checkpoint(load_dir, tag=None if tag is None else str(tag),
+                                    load_optimizer_states=load_optimizer_states,
+                                    load_lr_scheduler_states=load_lr_scheduler_states,
+                                    load_module_only=load_module_only)
+    set_rng_state(keep)
+    return os.path.join(load_dir, tags[0] if tags else str(tag)), client

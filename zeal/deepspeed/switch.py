@@ -42,6 +42,18 @@ class _AliasLoader(importlib.abc.Loader):
         return None
 
 
+class _RefusedLoader(importlib.abc.Loader):
+    """A DeepSpeed module zeal does not have (:mod:`zeal.deepspeed.refused_modules`)."""
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        from zeal.deepspeed.refused_modules import stand_in
+
+        return stand_in(spec.name)
+
+    def exec_module(self, module: Any) -> None:
+        return None
+
+
 class _Distribution(importlib.metadata.Distribution):
     """The ``deepspeed`` distribution as package metadata shows it (name, version)."""
 
@@ -71,6 +83,10 @@ class DeepSpeedAlias(importlib.abc.MetaPathFinder):
         except ModuleNotFoundError:
             spec = None
         if spec is None:
+            from zeal.deepspeed.refused_modules import is_deepspeed_module
+
+            if is_deepspeed_module(fullname):  # a DeepSpeed module zeal lacks: importable, refused on use
+                return importlib.machinery.ModuleSpec(fullname, _RefusedLoader(), is_package=True)
             return None  # the import fails as for any missing module, naming deepspeed.<rest>
         alias = importlib.machinery.ModuleSpec(fullname, _AliasLoader(real), origin=spec.origin,
                                                is_package=spec.submodule_search_locations is not None)

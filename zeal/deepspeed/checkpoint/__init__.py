@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeal.deepspeed.checkpoint import utils
-from zeal.deepspeed.refusals import Refused
+from zeal.deepspeed.refusals import refuse
 
 __all__ = ["utils"]
 
@@ -15,5 +15,5 @@ __all__ = ["utils"]
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    raise Refused(f"deepspeed.checkpoint.{name}", "zeal's checkpoints: engine.save_checkpoint / load_checkpoint "
+    return refuse(f"deepspeed.checkpoint.{name}", "zeal's checkpoints: engine.save_checkpoint / load_checkpoint "
                   "(any world size and stage), zeal.checkpoint, `zeal checkpoint export`")

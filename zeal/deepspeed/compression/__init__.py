@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from zeal.deepspeed.compression import helper
-from zeal.deepspeed.refusals import Refused
+from zeal.deepspeed.refusals import refuse
 
 __all__ = ["helper"]
 
@@ -17,5 +17,5 @@ __all__ = ["helper"]
 def __getattr__(name: str) -> Any:
     if name.startswith("_"):
         raise AttributeError(name)
-    raise Refused(f"deepspeed.compression.{name}", "zeal's compression is `zeal compress` / the config's "
+    return refuse(f"deepspeed.compression.{name}", "zeal's compression is `zeal compress` / the config's "
                   "compression section")

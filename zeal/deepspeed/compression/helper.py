@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zeal.deepspeed.refusals import Refused
+from zeal.deepspeed.refusals import refuse
 
 __all__ = ["recursive_getattr", "recursive_setattr"]
 
@@ -28,5 +28,5 @@ def recursive_setattr(model: Any, module_name: str, module: Any) -> None:
 def __getattr__(name: str) -> Any:
     if name.startswith("_"):
         raise AttributeError(name)
-    raise Refused(f"deepspeed.compression.helper.{name}", "zeal's compression is `zeal compress` / the config's "
+    return refuse(f"deepspeed.compression.helper.{name}", "zeal's compression is `zeal compress` / the config's "
                   "compression section")

@@ -5,7 +5,7 @@ fail at import or use with one line saying so."""
 from typing import Any
 
 from zeal.deepspeed.ops import adam
-from zeal.deepspeed.refusals import Refused
+from zeal.deepspeed.refusals import refuse
 
 __all__ = ["adam"]
 
@@ -16,5 +16,5 @@ _REFUSED = {"transformer": "DeepSpeed's fused transformer kernels are not part o
 
 def __getattr__(name: str) -> Any:
     if name in _REFUSED:
-        raise Refused(f"deepspeed.ops.{name}", _REFUSED[name])
+        return refuse(f"deepspeed.ops.{name}", _REFUSED[name])
     raise AttributeError(f"module 'deepspeed.ops' has no attribute {name!r}")

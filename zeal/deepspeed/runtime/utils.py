@@ -1,8 +1,10 @@
-"""``deepspeed.runtime.utils``: ``set_random_seed`` and ``see_memory_usage``."""
+"""``deepspeed.runtime.utils``: ``set_random_seed``, ``see_memory_usage`` and ``move_to_device``."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,3 +38,19 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     gb = 2**30
     logger.info(f"{message} | MA {acc.memory_allocated() / gb:.2f} GB | Max_MA {acc.max_memory_allocated() / gb:.2f} GB"
                 f" | total {acc.total_memory() / gb:.2f} GB | available {acc.available_memory() / gb:.2f} GB")
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Callable[[Any], bool] | None = None) -> Any:
+    """``item`` (a tensor, or lists / tuples / dicts of them, nested) on ``device``, as
+    DeepSpeed's: a leaf ``criterion_func`` accepts is moved in place (its ``.data`` swapped,
+    so references to it see the move) and returned; any other leaf is ``.to(device)``."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    return item.to(device)
