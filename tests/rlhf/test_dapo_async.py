@@ -147,6 +147,37 @@ def test_pipeline_refuses_a_batch_older_than_k():
         pipe.close()
 
 
+def test_pipeline_checks_the_serving_copys_version_counter():
+    """A batch labelled with weights newer than the serving copy held (the load skipped) is
+    refused; the generator thread gets its own intra-op thread count, the trainer's stays."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zeal.rlhf.async_rollouts import RolloutPipeline
+
+    threads = []
+
+    def produce(step, pick, version):
+        threads.append(torch.get_num_threads())
+        return SimpleNamespace(version=version + (step == 3))  # batch 3 claims a version never loaded
+
+    before = torch.get_num_threads()
+    pipe = RolloutPipeline(1, 1, 3, produce, lambda step: None, lambda: "w", lambda w: None, threads=1)
+    try:
+        assert pipe.get(1).version == 0 and pipe.get(2).version == 0
+        pipe.trained(1, 0.0)  # weights version 1 go to the generator with batch 3
+        try:
+            pipe.get(3)
+        except RuntimeError as e:
+            assert "serving copy held version 1" in str(e)
+        else:
+            raise AssertionError("a batch from weights the serving copy never held was accepted")
+    finally:
+        pipe.close()
+    assert threads == [1, 1, 1] and torch.get_num_threads() == before
+
+
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     from tests.rlhf.conftest import build_tiny_folder
     from zeal.cli.main import main

@@ -66,8 +66,10 @@ def load_policy(model: Any, tokenizer: Any = None, eos_token_ids: list[int] | No
 
 
 def encode_prompt(prompt: Any, tok: Tokenizer | None, rc: RLHFConfig) -> list[int]:
-    """Token ids of a prompt (text through the chat template when ``rc.chat``, or ids), cut
-    to its last ``max_prompt_len`` tokens."""
+    """Token ids of a prompt (text through the chat template when ``rc.chat``, or ids; a row
+    dict: its ``prompt``), cut to its last ``max_prompt_len`` tokens."""
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return encode_prompt(prompt["prompt"], tok, rc)
     if isinstance(prompt, str):
         if tok is None:
             raise ValueError("text prompts need a tokenizer (the model has none): give token ids")

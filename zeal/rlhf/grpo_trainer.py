@@ -36,24 +36,28 @@ from zeal.rlhf.config import split_config
 from zeal.rlhf.dapo import fill_groups, informative_groups, soft_overlong_penalty, truncated
 from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
-from zeal.rlhf.multiturn import Environment, run_episodes
+from zeal.rlhf.multiturn import Environment, run_episodes, tool_environment
 from zeal.rlhf.packing import packed_logprobs
 from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
+from zeal.rlhf.verifiers import config_rewards
 
 RewardFn = Callable[..., Sequence[float]]
 
 
 def score(reward_fn: RewardFn | Sequence[RewardFn], prompts: list[Any], rollouts: list[Rollout]) -> torch.Tensor:
     """The summed rewards of every rollout: each function is called as
-    ``fn(prompts, completions, completion_ids=...)`` (one entry per rollout) and returns
-    one float per rollout."""
+    ``fn(prompts, completions, completion_ids=..., **columns)`` (one entry per rollout) and
+    returns one float per rollout. Prompts given as rows (dicts with ``prompt``) are passed
+    as the rows, and their other fields as columns too (TRL's dataset columns: ``answer=[...]``)."""
     fns = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
     ps = [prompts[r.group] for r in rollouts]
     texts = [r.text for r in rollouts]
     ids = [r.output_ids for r in rollouts]
+    keys = dict.fromkeys(k for p in ps if isinstance(p, dict) for k in p if k not in ("prompt", "prompts", "completions", "completion_ids"))
+    columns = {k: [p.get(k) if isinstance(p, dict) else None for p in ps] for k in keys}
     total = torch.zeros(len(rollouts))
     for fn in fns:
-        vals = list(fn(ps, texts, completion_ids=ids))
+        vals = list(fn(ps, texts, completion_ids=ids, **columns))
         if len(vals) != len(rollouts):
             raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(vals)} values for "
                              f"{len(rollouts)} completions")
@@ -110,6 +114,7 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
             envs = [environment(prompts[i]) for i in idx for _ in range(G)]
             ros, env_rew = run_episodes(hybrid, envs, SamplingParams(**{**params.__dict__, "n": 1}), rc.max_turns,
                                         rc.max_episode_tokens, sync=sync_now)
+            tool_calls.extend(float(getattr(e, "calls", 0)) for e in envs)
             for k, ro in enumerate(ros):
                 ro.group = k // G
             rew = torch.tensor(env_rew) + (score(reward_fn, ps, ros) if reward_fn is not None else 0.0)
@@ -120,6 +125,7 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
                                               rc.overlong_buffer, rc.overlong_penalty)
         return [(ps[g], ros[g * G:(g + 1) * G], rew[g * G:(g + 1) * G]) for g in range(len(idx))]
 
+    tool_calls: list[float] = []  # per episode, with a tool environment
     groups = generate(pick, 0, sync)
     stats: dict[str, float] = {}
     if rc.dynamic_sampling:
@@ -136,6 +142,8 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
             groups = generate(torch.randint(len(prompt_ids), (P,), generator=rng).tolist(), attempt, False)
         groups = fill_groups(kept, P, spare)
         stats = {"num_gen_batches": attempt, "informative_groups": len(kept) / seen}
+    if tool_calls:
+        stats["tool_calls"] = sum(tool_calls) / len(tool_calls)
     rollouts, rewards, ps = _regroup(groups)
     return RolloutBatch(rollouts, rewards, ps, version, stats)
 
@@ -154,11 +162,14 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
     :class:`~zeal.rlhf.multiturn.Environment` per answer, which then is a multi-turn episode
     (tool outputs masked out of the loss; see :mod:`zeal.rlhf.multiturn`, :class:`ToolEnv`)."""
     engine_cfg, rc = split_config(config)
-    if reward_fn is None and environment is None:
-        raise ValueError("grpo needs a reward function or an environment")
+    reward_fn = config_rewards(reward_fn, rc)  # rlhf.verifiers, rlhf.reward_funcs
+    if reward_fn is None and environment is None and not rc.tools:
+        raise ValueError("grpo needs a reward function, rlhf.verifiers, or an environment (rlhf.tools)")
     gen = set_seed(rc.seed)
     pol = load_policy(model, tokenizer, eos_token_ids, job="grpo")
     disable_dropout(pol.model)
+    if environment is None and rc.tools:
+        environment = tool_environment(pol.tokenizer, rc)
     ref = reference_policy(pol.model, engine_cfg) if rc.beta else None  # LoRA: the base, adapters off
     # with an environment each episode's prompt comes from its reset()
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts] if environment is None else [[]] * len(prompts)
@@ -192,7 +203,7 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
             + (f"; rollouts generated up to {k} step(s) ahead, in a background thread" if k else ""))
         if k:
             pipe = RolloutPipeline(k, start + 1, rc.steps, produce, draw, hybrid.snapshot_weights,
-                                   hybrid.load_snapshot)
+                                   hybrid.load_snapshot, threads=rc.async_generator_threads)
     try:
         for step in range(start + 1, rc.steps + 1):
             batch = pipe.get(step) if pipe else produce(step, draw(step), step - 1, sync=True)

@@ -164,3 +164,17 @@ class ToolEnv:
         if tail_ids and action.ids and tail_ids[0] == action.ids[-1]:
             tail_ids = tail_ids[1:]  # the end-of-turn token the policy generated
         return tail_ids + self.tok.encode(full[len(turn):], add_special_tokens=False)
+
+
+def tool_environment(tokenizer, rc) -> Callable[[Any], ToolEnv]:
+    """The environment factory of the config's tools (``rc.tools``, ``rc.retrieval_file``,
+    ``rc.tool_reward``): a fresh :class:`ToolEnv` per answer; the episode's final answer is
+    scored by GRPO's reward functions (``fn(rows, final texts)``)."""
+    from zeal.rlhf.tools import select_tools
+
+    fns, specs = select_tools(list(rc.tools), rc.retrieval_file)
+
+    def make(row: Any) -> ToolEnv:
+        return ToolEnv(tokenizer, row, fns, specs, tool_reward=rc.tool_reward)
+
+    return make
