@@ -4,41 +4,22 @@ check math answers and run code tests in a sandboxed subprocess; an episode's to
 carry loss mask 0 and its policy tokens 1, the tokens being the chat template's rendering
 of the whole conversation; GRPO on a calculator-tool arithmetic task raises the reward."""
 
-import json
-
 import pytest
 import torch
 
 from zeal.rlhf import tools, verifiers
 from zeal.rlhf.multiturn import Action, ToolEnv, run_episodes
+from zeal.rlhf.tasks import CALC_EXPRESSIONS, calculator_call, calculator_task
 
 pytestmark = pytest.mark.timeout(120)
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
-            "{% if add_generation_prompt %}assistant : {% endif %}")
-EXPRS = ["2+3", "4*2", "9-5", "3+3"]
-
-
-def call(expr):
-    """One whitespace-free word: the test tokenizer makes a whole call one token."""
-    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expr}},
-                                      separators=(",", ":")) + "</tool_call>"
+EXPRS = list(CALC_EXPRESSIONS)
+call = calculator_call  # one whitespace-free word: the test tokenizer makes a whole call one token
 
 
 def make_tokenizer():
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    from zeal.inference.tokenizer import Tokenizer
-
-    words = ["[UNK]", "<eos>", "user", "assistant", "tool", "system", ":", "What", "is", "?", "error:"]
-    words += [str(i) for i in range(0, 21)] + EXPRS + [call(e) for e in EXPRS]
-    hf = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    hf.pre_tokenizer = WhitespaceSplit()
-    hf.add_special_tokens([AddedToken("<eos>", special=True)])
-    return Tokenizer(hf, {"eos_token": "<eos>", "chat_template": TEMPLATE}), len(words)
+    tok, _, vocab = calculator_task()
+    return tok, vocab
 
 
 def test_calculator_is_safe():

@@ -22,7 +22,7 @@ from zeal.train.metrics import MetricsSink, read_metrics
 log = logging.getLogger("zeal.rlhf")
 
 METRIC_COLUMNS = ("step", "kind", "loss", "reward", "kl", "response_length", "value_loss", "accuracy",
-                  "logprob_diff", "time_generate_s", "time_train_s", "time_sync_s", "elapsed_s")
+                  "logprob_diff", "time_generate_s", "time_train_s", "time_sync_s", "tflops", "mfu", "elapsed_s")
 
 
 @dataclass

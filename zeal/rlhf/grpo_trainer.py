@@ -34,6 +34,7 @@ from zeal.rlhf.common import (
 )
 from zeal.rlhf.config import split_config
 from zeal.rlhf.dapo import fill_groups, informative_groups, soft_overlong_penalty, truncated
+from zeal.rlhf.flops import StepFlops
 from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
 from zeal.rlhf.multiturn import Environment, run_episodes, tool_environment
@@ -174,7 +175,10 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
     # with an environment each episode's prompt comes from its reset()
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts] if environment is None else [[]] * len(prompts)
     G = rc.num_generations
+    flops = StepFlops(pol.model)  # before ZeRO partitions the weights
     engine = build_engine(pol.model, engine_cfg, rc.batch_size * G, job="grpo")
+    flops.bind(engine.device)
+    shared = not rc.padding_free and rc.share_prompt and can_share(engine) and (ref is None or can_share(ref))
     say("grpo", f"building the serving engine for the rollouts (KV cache {rc.kv_cache_bytes / 2**20:.0f} MiB)")
     hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(engine.module.parameters()).dtype,
@@ -206,6 +210,7 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
                                    hybrid.load_snapshot, threads=rc.async_generator_threads)
     try:
         for step in range(start + 1, rc.steps + 1):
+            t_step = time.perf_counter()
             batch = pipe.get(step) if pipe else produce(step, draw(step), step - 1, sync=True)
             t0 = time.perf_counter()
             exact = hybrid.exact_logprobs and batch.version == step - 1
@@ -217,7 +222,8 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
                 pipe.trained(step, t0)
             run.log(step, reward=batch.rewards.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
                     time_sync_s=t_sync, time_wait_s=t_wait, staleness=step - 1 - batch.version,
-                    **batch.stats, **stats)
+                    **batch.stats, **stats, **flops.grpo(batch.rollouts, shared, ref is not None, times.generate,
+                                                         t_train, time.perf_counter() - t_step))
             run.checkpoint(engine, step, final=step == rc.steps)
     finally:
         if pipe:
