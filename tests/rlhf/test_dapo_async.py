@@ -178,6 +178,28 @@ def test_pipeline_checks_the_serving_copys_version_counter():
     assert threads == [1, 1, 1] and torch.get_num_threads() == before
 
 
+def test_async_rollouts_with_lora_adapters(tmp_path):
+    """The weight snapshot handed to the generator thread is the serving copy's stream (the
+    adapters merged, as the synchronous sync): it used to carry lora_A/lora_B tensors, which
+    the serving model refused (KeyError) at the first push."""
+    from zeal.cli.lora_flag import parse_lora_flag
+    from zeal.models.llama import Llama, LlamaConfig
+    from zeal.rlhf import grpo
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    cfg = {"lora": parse_lora_flag(""), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "rlhf": {"steps": 3, "batch_size": 2, "num_generations": 2, "max_new_tokens": 3, "beta": 0.0,
+                    "generation_dtype": "fp32", "async_rollouts": 1}}
+    res = grpo(model, lambda p, c, **k: [float(len(x)) for x in c], [[5, 6, 7], [8, 9, 10]], cfg,
+               eos_token_ids=[0], out=str(tmp_path))
+    assert [r["staleness"] for r in res.metrics] == [0, 1, 1]
+    hybrid = res.extra["hybrid"]
+    snap = dict(hybrid.snapshot_weights())
+    assert not any("lora_" in n for n in snap) and all(t.dtype == hybrid.serving_dtype for t in snap.values())
+
+
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     from tests.rlhf.conftest import build_tiny_folder
     from zeal.cli.main import main

@@ -101,6 +101,8 @@ class HybridEngine:
         #: fp32 actor gives only approximate ones, and the trainers then take the behaviour
         #: log-probs of ratios and KL from the training side
         self.exact_logprobs = next(model.parameters()).dtype == actor_dtype
+        dtypes = {p.dtype for p in model.parameters()}
+        self.serving_dtype = dtypes.pop() if len(dtypes) == 1 else None  # None: a mixed-dtype serving model
         self.llm = LLM(model, tokenizer, eos_token_ids=eos_token_ids, **llm_kwargs)
         self.times = PhaseTimes()
         self.num_syncs = 0
@@ -121,10 +123,15 @@ class HybridEngine:
 
     @torch.no_grad()
     def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of the actor's current weights (every rank calls it; at ZeRO-3 unit by
-        unit), for :meth:`load_snapshot` on another thread while the actor trains on."""
+        """A copy of the actor's current weights as the serving copy takes them (every rank
+        calls it; at ZeRO-3 unit by unit; LoRA adapters merged, as :meth:`sync_weights`),
+        already in the serving copy's dtype (what loading would cast to: a bf16 copy of an
+        fp32 actor moves half the bytes), for :meth:`load_snapshot` on another thread while
+        the actor trains on."""
         was_training = self.engine.module.training
-        snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters()]
+        dt = self.serving_dtype
+        snap = [(name, p.detach().to(dt, copy=True) if dt is not None else p.detach().clone())
+                for name, p in sync_stream(self.engine)]
         self.engine.module.train(was_training)
         return snap
 
