@@ -114,3 +114,28 @@ def test_config_tools_play_the_same_episodes_as_the_python_environment(tmp_path)
     assert sum(r["tool_calls"] for r in conf.metrics) > 0  # the calculator ran: the multi-turn loop was reached
     with pytest.raises(ValueError, match="needs a reward function"):
         grpo(_tiny(vocab), None, _arith_rows(), {**cfg, "rlhf": rc}, tokenizer=tok, eos_token_ids=[1])
+
+
+def test_cli_tools_run_reaches_the_multiturn_loop(tmp_path):
+    """``zeal rlhf grpo --tools calculator --verifiers math`` end to end on a tiny model of
+    the calculator task: the episodes call the tool (``tool_calls`` logged)."""
+    import json
+
+    from zeal.cli.main import main
+    from zeal.rlhf.tasks import calculator_task
+
+    tok, rows, vocab = calculator_task()
+    d = tmp_path / "calc"
+    _tiny(vocab).save_hf_folder(d)
+    tok.tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(tok.config))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"rlhf": {"batch_size": 4, "num_generations": 4, "max_new_tokens": 1, "max_turns": 2,
+                                        "beta": 0.0, "generation_dtype": "fp32", "seed": 1}}))
+    out = tmp_path / "run"
+    assert main(["rlhf", "grpo", "--model", str(d), "--data", str(data), "--config", str(cfg), "--steps", "3",
+                 "--tools", "calculator", "--verifiers", "math", "--out", str(out)]) == 0
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 3 and sum(r["tool_calls"] for r in recs) > 0
