@@ -119,13 +119,14 @@ def report(results: list[dict]) -> None:
     """One line per run; per seed the async bound (sync's (gen + train) / max(gen, train))
     and every variant's steady samples/s over TRL's; the mean reward per variant."""
     print(f"{'seed':>4} {'variant':10} {'samples/s':>9} {'steady/s':>9} {'gen s':>7} {'train s':>7} "
-          f"{'sync s/step':>11} {'overlap':>8} {'vs TRL':>7} final reward")
+          f"{'sync s/step':>11} {'overlap':>8} {'hidden':>7} {'vs TRL':>7} final reward")
     for r in results:
         ov = r.get("overlap", {}).get("overlap_share", 0.0)
+        hidden = r.get("overlap", {}).get("hidden_generation_share", 0.0)
         trl = [x for x in results if x["variant"] == "trl" and x["seed"] == r["seed"]]
         vs = f"{r['steady_samples_per_s'] / trl[0]['steady_samples_per_s']:6.2f}x" if trl else "      -"
         print(f"{r['seed']:>4} {r['variant']:10} {r['samples_per_s']:9.2f} {r['steady_samples_per_s']:9.2f} "
-              f"{r['generate_s']:7.1f} {r['train_s']:7.1f} {r['sync_s_per_step']:11.3f} {ov:8.1%} {vs} "
+              f"{r['generate_s']:7.1f} {r['train_s']:7.1f} {r['sync_s_per_step']:11.3f} {ov:8.1%} {hidden:7.1%} {vs} "
               f"{r['final_reward']:.3f}")
     for r in results:
         if r["variant"] == "sync":

@@ -123,6 +123,7 @@ def test_async_k0_is_sync_and_k1_is_one_step_stale_and_deterministic(tmp_path):
     assert all("is_ratio_mean" in r for r in a.metrics[1:])
     s = a.extra["async"]
     assert 0.0 <= s["overlap_share"] <= 1.0 and s["generate_s"] > 0 and s["train_s"] > 0
+    assert 0.0 <= s["hidden_generation_share"] <= 1.0 and s["overlap_s"] <= s["generate_s"]
 
 
 def test_async_k2_staleness_bound(tmp_path):

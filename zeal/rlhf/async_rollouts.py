@@ -43,11 +43,13 @@ class Timeline:
         return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in self.generate for b0, b1 in self.train)
 
     def summary(self) -> dict[str, float]:
-        """Wall time, generation and training seconds, their overlap, and its share of the wall time."""
+        """Wall time, generation and training seconds, their overlap, its share of the wall
+        time, and the share of the generation seconds that ran beside training (hidden)."""
         wall = time.perf_counter() - self.t0
         ov = self.overlap_s()
-        return {"wall_s": wall, "generate_s": sum(b - a for a, b in self.generate),
-                "train_s": sum(b - a for a, b in self.train), "overlap_s": ov, "overlap_share": ov / max(wall, 1e-9)}
+        gen = sum(b - a for a, b in self.generate)
+        return {"wall_s": wall, "generate_s": gen, "train_s": sum(b - a for a, b in self.train), "overlap_s": ov,
+                "overlap_share": ov / max(wall, 1e-9), "hidden_generation_share": ov / max(gen, 1e-9)}
 
 
 class RolloutPipeline:
