@@ -50,7 +50,7 @@ def run(seed: int, args) -> dict:
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": args.lr}}}
     before_engine = build_engine(tiny_llama(vocab, seed), cfg, 16, job="eval")
     before = evaluate(HybridEngine(before_engine, tok, eos_token_ids=[1], kv_cache_bytes=1 << 22), tok, rows,
-                      args.eval_n, 10_000 + seed, args.max_turns)
+                      args.eval_n, 10_000 + 1000 * seed, args.max_turns)
     rc = {"steps": args.steps, "batch_size": 4, "num_generations": 4, "max_new_tokens": 1,
           "max_turns": args.max_turns, "beta": 0.0, "generation_dtype": "fp32", "loss_type": "dapo", "seed": seed,
           "tools": ["calculator"], "verifiers": ["math"], "tool_reward": args.tool_reward, "log_every": 10**6}
@@ -58,7 +58,7 @@ def run(seed: int, args) -> dict:
     res = grpo(tiny_llama(vocab, seed), None, rows, {**cfg, "rlhf": rc}, tokenizer=tok, eos_token_ids=[1],
                out=tempfile.mkdtemp())
     wall = time.perf_counter() - t0
-    after = evaluate(res.extra["hybrid"], tok, rows, args.eval_n, 10_000 + seed, args.max_turns)
+    after = evaluate(res.extra["hybrid"], tok, rows, args.eval_n, 10_000 + 1000 * seed, args.max_turns)
     m = res.metrics
     return {"seed": seed, "before": before, "after": after, "wall_s": wall,
             "reward": [round(r["reward"], 4) for r in m], "tool_calls": [round(r["tool_calls"], 3) for r in m]}

@@ -221,3 +221,18 @@ def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     assert seen["rlhf"]["loss_type"] == "grpo" and seen["rlhf"]["async_rollouts"] == 0
     with pytest.raises(SystemExit):
         main([*argv, "--loss-type", "ppo"])
+
+
+def test_nearby_seeds_draw_unrelated_streams():
+    """Answer i of prompt k samples with sampling_seed(seed, step) + k·G + i: runs with seeds
+    s and s + 1 share no answer's stream (with seed + c·step, seed s + 1's answer k was seed
+    s's answer k + 1), nor do consecutive steps or dynamic-sampling attempts."""
+    from zeal.rlhf.common import sampling_seed
+
+    def streams(seed, step, attempt=0):
+        return {sampling_seed(seed, step, attempt) + j for j in range(64)}
+
+    for s in range(4):
+        assert not streams(s, 3) & streams(s + 1, 3)
+        assert not streams(s, 3) & streams(s, 4) and not streams(s, 3) & streams(s, 3, 1)
+    assert sampling_seed(5, 2) == sampling_seed(5, 2)  # deterministic

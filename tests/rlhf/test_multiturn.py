@@ -111,6 +111,23 @@ def test_tool_outputs_carry_mask_zero_and_tokens_follow_the_template():
     assert env3.step(Action([5], "8", "stop"))[2] is True
 
 
+def test_tool_reward_is_paid_with_the_final_answer_only():
+    """The shaping bonus comes with a final answer after a successful call; an episode cut
+    while still calling earns none (paid per call, a policy learned to call on every turn)."""
+    from zeal.inference.sampling_params import SamplingParams
+
+    tok, _ = make_tokenizer()
+    fns, specs = tools.builtin_tools()
+    row = {"prompt": "What is 4*2 ?", "answer": 8}
+
+    def play(script, max_turns):
+        env = ToolEnv(tok, row, fns, specs, [verifiers.math_answer_reward], tool_reward=0.5)
+        return run_episodes(ScriptedHybrid(tok, script), [env], SamplingParams(max_tokens=4), max_turns)[1][0]
+
+    assert play([call("4*2"), "8"], 3) == 1.5 and play([call("4*2"), "7"], 3) == 0.5
+    assert play([call("4*2"), call("4*2")], 2) == 0.0 and play(["8"], 3) == 1.0
+
+
 def _arith_rows():
     return [{"prompt": f"What is {e} ?", "answer": tools.safe_eval(e)} for e in EXPRS]
 
@@ -130,7 +147,7 @@ def test_grpo_calculator_task_reward_rises(tmp_path):
         return ToolEnv(tok, row, fns, specs, [verifiers.math_answer_reward], tool_reward=0.5)
 
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "rlhf": {"steps": 14, "batch_size": 4, "num_generations": 4, "max_new_tokens": 1, "max_turns": 2,
+           "rlhf": {"steps": 24, "batch_size": 4, "num_generations": 4, "max_new_tokens": 1, "max_turns": 2,
                     "beta": 0.0, "generation_dtype": "fp32", "loss_type": "dapo", "seed": 1}}
     res = grpo(model, None, _arith_rows(), cfg, tokenizer=tok, eos_token_ids=[1], environment=env,
                out=str(tmp_path))

@@ -5,6 +5,7 @@ checkpoints that resume)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import time
@@ -63,6 +64,15 @@ def load_policy(model: Any, tokenizer: Any = None, eos_token_ids: list[int] | No
     if tok is not None:
         eos += [e for e in tok.eos_token_ids if e not in eos]
     return Policy(model, tok, eos)
+
+
+def sampling_seed(seed: int, step: int, attempt: int = 0) -> int:
+    """The base sampling seed of a step's rollouts (answer i of prompt k adds ``k·n + i``,
+    a rank its offset): a hash of the run's seed, the step and the generation attempt, so
+    that runs with nearby seeds draw unrelated streams (a plain ``seed + c·step`` made seed
+    s + 1's answer k the same draw as seed s's answer k + 1)."""
+    digest = hashlib.blake2b(f"zeal-rollouts:{seed}:{step}:{attempt}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
 
 
 def encode_prompt(prompt: Any, tok: Tokenizer | None, rc: RLHFConfig) -> list[int]:

@@ -81,8 +81,8 @@ class RLHFConfig(BaseModel):
         "(arithmetic, parsed, never eval-ed), 'retrieval' (passages of retrieval_file by word overlap).")
     retrieval_file: str | None = Field(None, description="GRPO with tools: the local text file the 'retrieval' "
                                        "tool searches (blank-line separated passages).")
-    tool_reward: float = Field(0.0, ge=0.0, description="GRPO with tools: added once to an episode in which a "
-                               "tool ran without error (shaping; 0: off).")
+    tool_reward: float = Field(0.0, ge=0.0, description="GRPO with tools: added once, with the final answer, to "
+                               "an episode in which a tool ran without error (shaping; 0: off).")
     verifiers: list[Literal["math", "code"]] = Field(
         default_factory=list, description="GRPO: verifiable rewards added to the reward functions: 'math' (the "
         "final number or \\boxed{} equals the row's answer), 'code' (the last code block passes the row's tests "

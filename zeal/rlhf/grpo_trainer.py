@@ -29,6 +29,7 @@ from zeal.rlhf.common import (
     dp_slice,
     encode_prompt,
     load_policy,
+    sampling_seed,
     say,
     set_seed,
 )
@@ -104,7 +105,7 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
     G, P = rc.num_generations, len(pick)
 
     def generate(idx: list[int], attempt: int, sync_now: bool) -> list[tuple[Any, list[Rollout], torch.Tensor]]:
-        seed = (rc.seed + 7919 * step + 15485863 * attempt) % (1 << 62) + rank * P * G
+        seed = sampling_seed(rc.seed, step, attempt) + rank * P * G
         params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                 seed=seed, logprobs=0)
         ps = [prompts[i] for i in idx]
