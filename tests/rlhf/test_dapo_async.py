@@ -123,6 +123,7 @@ def test_async_k0_is_sync_and_k1_is_one_step_stale_and_deterministic(tmp_path):
     assert all("is_ratio_mean" in r for r in a.metrics[1:])
     s = a.extra["async"]
     assert 0.0 <= s["overlap_share"] <= 1.0 and s["generate_s"] > 0 and s["train_s"] > 0
+    assert 0.0 <= s["hidden_generation_share"] <= 1.0 and s["overlap_s"] <= s["generate_s"]
 
 
 def test_async_k2_staleness_bound(tmp_path):
@@ -147,6 +148,59 @@ def test_pipeline_refuses_a_batch_older_than_k():
         pipe.close()
 
 
+def test_pipeline_checks_the_serving_copys_version_counter():
+    """A batch labelled with weights newer than the serving copy held (the load skipped) is
+    refused; the generator thread gets its own intra-op thread count, the trainer's stays."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zeal.rlhf.async_rollouts import RolloutPipeline
+
+    threads = []
+
+    def produce(step, pick, version):
+        threads.append(torch.get_num_threads())
+        return SimpleNamespace(version=version + (step == 3))  # batch 3 claims a version never loaded
+
+    before = torch.get_num_threads()
+    pipe = RolloutPipeline(1, 1, 3, produce, lambda step: None, lambda: "w", lambda w: None, threads=1)
+    try:
+        assert pipe.get(1).version == 0 and pipe.get(2).version == 0
+        pipe.trained(1, 0.0)  # weights version 1 go to the generator with batch 3
+        try:
+            pipe.get(3)
+        except RuntimeError as e:
+            assert "serving copy held version 1" in str(e)
+        else:
+            raise AssertionError("a batch from weights the serving copy never held was accepted")
+    finally:
+        pipe.close()
+    assert threads == [1, 1, 1] and torch.get_num_threads() == before
+
+
+def test_async_rollouts_with_lora_adapters(tmp_path):
+    """The weight snapshot handed to the generator thread is the serving copy's stream (the
+    adapters merged, as the synchronous sync): it used to carry lora_A/lora_B tensors, which
+    the serving model refused (KeyError) at the first push."""
+    from zeal.cli.lora_flag import parse_lora_flag
+    from zeal.models.llama import Llama, LlamaConfig
+    from zeal.rlhf import grpo
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    cfg = {"lora": parse_lora_flag(""), "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "rlhf": {"steps": 3, "batch_size": 2, "num_generations": 2, "max_new_tokens": 3, "beta": 0.0,
+                    "generation_dtype": "fp32", "async_rollouts": 1}}
+    res = grpo(model, lambda p, c, **k: [float(len(x)) for x in c], [[5, 6, 7], [8, 9, 10]], cfg,
+               eos_token_ids=[0], out=str(tmp_path))
+    assert [r["staleness"] for r in res.metrics] == [0, 1, 1]
+    hybrid = res.extra["hybrid"]
+    snap = dict(hybrid.snapshot_weights())
+    assert not any("lora_" in n for n in snap) and all(t.dtype == hybrid.serving_dtype for t in snap.values())
+
+
 def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     from tests.rlhf.conftest import build_tiny_folder
     from zeal.cli.main import main
@@ -167,3 +221,18 @@ def test_cli_flags_reach_the_config(tmp_path, monkeypatch):
     assert seen["rlhf"]["loss_type"] == "grpo" and seen["rlhf"]["async_rollouts"] == 0
     with pytest.raises(SystemExit):
         main([*argv, "--loss-type", "ppo"])
+
+
+def test_nearby_seeds_draw_unrelated_streams():
+    """Answer i of prompt k samples with sampling_seed(seed, step) + k·G + i: runs with seeds
+    s and s + 1 share no answer's stream (with seed + c·step, seed s + 1's answer k was seed
+    s's answer k + 1), nor do consecutive steps or dynamic-sampling attempts."""
+    from zeal.rlhf.common import sampling_seed
+
+    def streams(seed, step, attempt=0):
+        return {sampling_seed(seed, step, attempt) + j for j in range(64)}
+
+    for s in range(4):
+        assert not streams(s, 3) & streams(s + 1, 3)
+        assert not streams(s, 3) & streams(s, 4) and not streams(s, 3) & streams(s, 3, 1)
+    assert sampling_seed(5, 2) == sampling_seed(5, 2)  # deterministic

@@ -4,41 +4,22 @@ check math answers and run code tests in a sandboxed subprocess; an episode's to
 carry loss mask 0 and its policy tokens 1, the tokens being the chat template's rendering
 of the whole conversation; GRPO on a calculator-tool arithmetic task raises the reward."""
 
-import json
-
 import pytest
 import torch
 
 from zeal.rlhf import tools, verifiers
 from zeal.rlhf.multiturn import Action, ToolEnv, run_episodes
+from zeal.rlhf.tasks import CALC_EXPRESSIONS, calculator_call, calculator_task
 
 pytestmark = pytest.mark.timeout(120)
 
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
-            "{% if add_generation_prompt %}assistant : {% endif %}")
-EXPRS = ["2+3", "4*2", "9-5", "3+3"]
-
-
-def call(expr):
-    """One whitespace-free word: the test tokenizer makes a whole call one token."""
-    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expr}},
-                                      separators=(",", ":")) + "</tool_call>"
+EXPRS = list(CALC_EXPRESSIONS)
+call = calculator_call  # one whitespace-free word: the test tokenizer makes a whole call one token
 
 
 def make_tokenizer():
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-
-    from zeal.inference.tokenizer import Tokenizer
-
-    words = ["[UNK]", "<eos>", "user", "assistant", "tool", "system", ":", "What", "is", "?", "error:"]
-    words += [str(i) for i in range(0, 21)] + EXPRS + [call(e) for e in EXPRS]
-    hf = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    hf.pre_tokenizer = WhitespaceSplit()
-    hf.add_special_tokens([AddedToken("<eos>", special=True)])
-    return Tokenizer(hf, {"eos_token": "<eos>", "chat_template": TEMPLATE}), len(words)
+    tok, _, vocab = calculator_task()
+    return tok, vocab
 
 
 def test_calculator_is_safe():
@@ -130,6 +111,23 @@ def test_tool_outputs_carry_mask_zero_and_tokens_follow_the_template():
     assert env3.step(Action([5], "8", "stop"))[2] is True
 
 
+def test_tool_reward_is_paid_with_the_final_answer_only():
+    """The shaping bonus comes with a final answer after a successful call; an episode cut
+    while still calling earns none (paid per call, a policy learned to call on every turn)."""
+    from zeal.inference.sampling_params import SamplingParams
+
+    tok, _ = make_tokenizer()
+    fns, specs = tools.builtin_tools()
+    row = {"prompt": "What is 4*2 ?", "answer": 8}
+
+    def play(script, max_turns):
+        env = ToolEnv(tok, row, fns, specs, [verifiers.math_answer_reward], tool_reward=0.5)
+        return run_episodes(ScriptedHybrid(tok, script), [env], SamplingParams(max_tokens=4), max_turns)[1][0]
+
+    assert play([call("4*2"), "8"], 3) == 1.5 and play([call("4*2"), "7"], 3) == 0.5
+    assert play([call("4*2"), call("4*2")], 2) == 0.0 and play(["8"], 3) == 1.0
+
+
 def _arith_rows():
     return [{"prompt": f"What is {e} ?", "answer": tools.safe_eval(e)} for e in EXPRS]
 
@@ -149,7 +147,7 @@ def test_grpo_calculator_task_reward_rises(tmp_path):
         return ToolEnv(tok, row, fns, specs, [verifiers.math_answer_reward], tool_reward=0.5)
 
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "rlhf": {"steps": 14, "batch_size": 4, "num_generations": 4, "max_new_tokens": 1, "max_turns": 2,
+           "rlhf": {"steps": 24, "batch_size": 4, "num_generations": 4, "max_new_tokens": 1, "max_turns": 2,
                     "beta": 0.0, "generation_dtype": "fp32", "loss_type": "dapo", "seed": 1}}
     res = grpo(model, None, _arith_rows(), cfg, tokenizer=tok, eos_token_ids=[1], environment=env,
                out=str(tmp_path))

@@ -49,6 +49,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="GRPO: the loss family member (rlhf.loss_type; default grpo; see zeal.rlhf.grpo_losses)")
     p.add_argument("--async-rollouts", type=int, default=None, metavar="K",
                    help="GRPO: generate up to K batches ahead while the trainer updates (rlhf.async_rollouts; 0: sync)")
+    p.add_argument("--tools", default=None, metavar="NAME,...",
+                   help="GRPO: built-in tools (calculator, retrieval); each answer becomes a multi-turn episode "
+                        "with tool calls, tool outputs masked out of the loss (rlhf.tools)")
+    p.add_argument("--retrieval-file", default=None, metavar="FILE",
+                   help="GRPO: the text file the retrieval tool searches (rlhf.retrieval_file)")
+    p.add_argument("--verifiers", default=None, metavar="NAME,...",
+                   help="GRPO: verifiable rewards added (math, code) (rlhf.verifiers); rows' answer/tests fields")
     p.add_argument("--zero-stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage of the engine(s) (zero_optimization.stage; default: the config's, else 0)")
     p.add_argument("--lora", nargs="?", const="", metavar="K=V,...",
@@ -66,7 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 # the options a launched rank gets again, as given (--nproc is the launcher's own)
 _FORWARDED = ("model", "data", "steps", "out", "config", "reward", "reward_model", "generation_dtype", "zero_stage",
-              "lora", "loss_type", "async_rollouts")
+              "lora", "loss_type", "async_rollouts", "tools", "retrieval_file", "verifiers")
 
 
 def _rank_argv(args: argparse.Namespace, out: Path) -> list[str]:
@@ -232,10 +239,29 @@ def rlhf_flags(args: argparse.Namespace, rc=None):
         raise ValueError(format_validation_error(e).replace("config key '", "config key 'rlhf.")) from None
 
 
+def _task_flags(args: argparse.Namespace, rc) -> None:
+    """``--tools``, ``--retrieval-file``, ``--verifiers`` into ``rc``, checked (tool names,
+    the retrieval file, ``rlhf.reward_funcs`` imports) before any model is loaded."""
+    from zeal.rlhf.tools import select_tools
+    from zeal.rlhf.verifiers import config_rewards
+
+    for name in ("tools", "verifiers"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(rc, name, [v.strip() for v in value.split(",") if v.strip()])
+    if getattr(args, "retrieval_file", None) is not None:
+        rc.retrieval_file = args.retrieval_file
+    if rc.tools or rc.verifiers or rc.reward_funcs:
+        if args.job != "grpo":
+            raise ValueError(f"zeal rlhf {args.job}: tools, verifiers and reward_funcs are GRPO's (zeal rlhf grpo)")
+        select_tools(list(rc.tools), rc.retrieval_file)
+        config_rewards(None, rc)
+
+
 def _run_job(args: argparse.Namespace, out: Path) -> int:
     import zeal.rlhf as rl
     from zeal.rlhf.config import split_config
-    from zeal.rlhf.tasks import arithmetic_rows
+    from zeal.rlhf.tasks import arithmetic_reward, arithmetic_rows
 
     job = args.job
     if args.steps is not None and args.steps < 1:
@@ -251,6 +277,7 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         if args.async_rollouts < 0:
             raise ValueError(f"--async-rollouts must be >= 0, got {args.async_rollouts}")
         rc.async_rollouts = args.async_rollouts
+    _task_flags(args, rc)
     rc = rlhf_flags(args, rc)
     if args.zero_stage is not None:
         engine_cfg["zero_optimization"] = {**engine_cfg.get("zero_optimization", {}), "stage": args.zero_stage}
@@ -270,6 +297,9 @@ def _run_job(args: argparse.Namespace, out: Path) -> int:
         res = rl.reward_model(model, rows, config, out=str(out))
     elif job == "dpo":
         res = rl.dpo(model, rows, config, out=str(out))
+    elif job == "grpo" and (rc.tools or rc.verifiers):  # rows go whole: the tools' episodes and verifiers read them
+        reward = import_reward(args.reward) if args.reward else None if rc.verifiers else arithmetic_reward
+        res = rl.grpo(model, reward, rows, config, out=str(out))
     elif job == "grpo":
         res = rl.grpo(model, _reward_fn(args.reward, rows), [r["prompt"] for r in rows], config, out=str(out))
     else:

@@ -69,9 +69,26 @@ class RLHFConfig(BaseModel):
                            "episode at most (each up to max_new_tokens).")
     max_episode_tokens: int | None = Field(None, ge=1, description="GRPO with an environment: answer tokens of "
                                            "an episode at most, tool outputs included (None: no limit).")
+    tools: list[Literal["calculator", "retrieval"]] = Field(
+        default_factory=list, description="GRPO: built-in tools the policy may call; each answer is then a "
+        "multi-turn episode (zeal.rlhf.multiturn.ToolEnv; tool outputs masked out of the loss): 'calculator' "
+        "(arithmetic, parsed, never eval-ed), 'retrieval' (passages of retrieval_file by word overlap).")
+    retrieval_file: str | None = Field(None, description="GRPO with tools: the local text file the 'retrieval' "
+                                       "tool searches (blank-line separated passages).")
+    tool_reward: float = Field(0.0, ge=0.0, description="GRPO with tools: added once, with the final answer, to "
+                               "an episode in which a tool ran without error (shaping; 0: off).")
+    verifiers: list[Literal["math", "code"]] = Field(
+        default_factory=list, description="GRPO: verifiable rewards added to the reward functions: 'math' (the "
+        "final number or \\boxed{} equals the row's answer), 'code' (the last code block passes the row's tests "
+        "in a sandboxed subprocess with a timeout and no network) (zeal.rlhf.verifiers).")
+    reward_funcs: list[str] = Field(default_factory=list, description="GRPO: more reward functions, as "
+                                    "'module:function' (fn(prompts, completions, **columns) -> floats), added.")
     async_rollouts: int = Field(0, ge=0, description="GRPO: generate up to this many batches ahead of the trainer, "
                                 "in a background thread, while it updates (staleness ≤ k weight versions, "
                                 "corrected by the importance weights); 0: synchronous.")
+    async_generator_threads: int | None = Field(None, ge=1, description="GRPO with async_rollouts: intra-op "
+                                                "threads of the generator thread (torch's count is per thread); "
+                                                "None: the process's.")
     top_entropy_quantile: float = Field(1.0, ge=0.0, le=1.0, description="GRPO: keep in the policy loss only the "
                                         "top quantile of answer tokens by entropy (0.2 in 'Beyond the 80/20 rule'); "
                                         "1: all tokens.")

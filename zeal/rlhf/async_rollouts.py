@@ -14,7 +14,9 @@ never uses this module.
 
 Threads, not processes: the serving copy lives in the trainer's process (the hybrid
 engine), torch releases the GIL inside its kernels, and only the weight snapshot crosses
-between the two (one copy of the weights, taken on the trainer's thread).
+between the two (one copy of the weights, taken on the trainer's thread). ``threads``
+gives the generator thread its own intra-op thread count (torch's is per OS thread), so
+that on a small CPU the two sides need not each spread over every core.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -39,11 +43,13 @@ class Timeline:
         return sum(max(0.0, min(a1, b1) - max(a0, b0)) for a0, a1 in self.generate for b0, b1 in self.train)
 
     def summary(self) -> dict[str, float]:
-        """Wall time, generation and training seconds, their overlap, and its share of the wall time."""
+        """Wall time, generation and training seconds, their overlap, its share of the wall
+        time, and the share of the generation seconds that ran beside training (hidden)."""
         wall = time.perf_counter() - self.t0
         ov = self.overlap_s()
-        return {"wall_s": wall, "generate_s": sum(b - a for a, b in self.generate),
-                "train_s": sum(b - a for a, b in self.train), "overlap_s": ov, "overlap_share": ov / max(wall, 1e-9)}
+        gen = sum(b - a for a, b in self.generate)
+        return {"wall_s": wall, "generate_s": gen, "train_s": sum(b - a for a, b in self.train), "overlap_s": ov,
+                "overlap_share": ov / max(wall, 1e-9), "hidden_generation_share": ov / max(gen, 1e-9)}
 
 
 class RolloutPipeline:
@@ -54,11 +60,17 @@ class RolloutPipeline:
     ``load(snapshot)`` puts them into the serving copy (generator's thread)."""
 
     def __init__(self, k: int, first: int, last: int, produce: Callable[[int, Any, int], Any],
-                 draw: Callable[[int], Any], snapshot: Callable[[], Any], load: Callable[[Any], None]) -> None:
+                 draw: Callable[[int], Any], snapshot: Callable[[], Any], load: Callable[[Any], None],
+                 threads: int | None = None) -> None:
         if k < 1:
             raise ValueError(f"async_rollouts must be >= 1 for a pipeline, got {k}")
         self.k, self.last = k, last
         self.produce, self.draw, self.snapshot, self.load = produce, draw, snapshot, load
+        self.threads = threads
+        # the weights version in the serving copy (counted by the loads the generator made), and
+        # that of the copy each batch was generated with: get() checks both against k
+        self.loaded = first - 1
+        self.versions: dict[int, int] = {}
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="zeal-rollouts")
         self.futures: dict[int, Future] = {}
         self.timeline = Timeline()
@@ -72,24 +84,33 @@ class RolloutPipeline:
             self.futures[j] = self.pool.submit(self._job, j, pick, version, weights if j == lo else None)
 
     def _job(self, step: int, pick: Any, version: int, weights: Any) -> Any:
+        if self.threads:
+            torch.set_num_threads(self.threads)  # this thread's own count; the trainer's is unchanged
         if weights is not None:
             t0 = time.perf_counter()
             self.load(weights)
             self.sync_s += time.perf_counter() - t0
+            self.loaded = version
+        self.versions[step] = self.loaded
         t0 = time.perf_counter()
         out = self.produce(step, pick, version)
         self.timeline.generate.append((t0, time.perf_counter()))
         return out
 
     def get(self, step: int) -> Any:
-        """Batch ``step`` (waits for it); refuses one generated more than ``k`` versions ago."""
+        """Batch ``step`` (waits for it); refuses one generated more than ``k`` versions ago,
+        by its label and by the version counter of the serving copy that generated it."""
         t0 = time.perf_counter()
         batch = self.futures.pop(step).result()
         self.wait_s += time.perf_counter() - t0
         version = batch.version
-        if step - 1 - version > self.k:
-            raise RuntimeError(f"async rollouts: batch {step} came from weights version {version}, "
-                               f"{step - 1 - version} steps old (async_rollouts {self.k})")
+        held = self.versions.pop(step, version)
+        if step - 1 - min(version, held) > self.k:
+            raise RuntimeError(f"async rollouts: batch {step} came from weights version {min(version, held)}, "
+                               f"{step - 1 - min(version, held)} steps old (async_rollouts {self.k})")
+        if held != version:
+            raise RuntimeError(f"async rollouts: batch {step} is labelled weights version {version} but the "
+                               f"serving copy held version {held}")
         return batch
 
     def trained(self, step: int, t_start: float) -> None:

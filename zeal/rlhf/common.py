@@ -5,6 +5,7 @@ checkpoints that resume)."""
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import time
@@ -22,7 +23,7 @@ from zeal.train.metrics import MetricsSink, read_metrics
 log = logging.getLogger("zeal.rlhf")
 
 METRIC_COLUMNS = ("step", "kind", "loss", "reward", "kl", "response_length", "value_loss", "accuracy",
-                  "logprob_diff", "time_generate_s", "time_train_s", "time_sync_s", "elapsed_s")
+                  "logprob_diff", "time_generate_s", "time_train_s", "time_sync_s", "tflops", "mfu", "elapsed_s")
 
 
 @dataclass
@@ -65,9 +66,20 @@ def load_policy(model: Any, tokenizer: Any = None, eos_token_ids: list[int] | No
     return Policy(model, tok, eos)
 
 
+def sampling_seed(seed: int, step: int, attempt: int = 0) -> int:
+    """The base sampling seed of a step's rollouts (answer i of prompt k adds ``k·n + i``,
+    a rank its offset): a hash of the run's seed, the step and the generation attempt, so
+    that runs with nearby seeds draw unrelated streams (a plain ``seed + c·step`` made seed
+    s + 1's answer k the same draw as seed s's answer k + 1)."""
+    digest = hashlib.blake2b(f"zeal-rollouts:{seed}:{step}:{attempt}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
 def encode_prompt(prompt: Any, tok: Tokenizer | None, rc: RLHFConfig) -> list[int]:
-    """Token ids of a prompt (text through the chat template when ``rc.chat``, or ids), cut
-    to its last ``max_prompt_len`` tokens."""
+    """Token ids of a prompt (text through the chat template when ``rc.chat``, or ids; a row
+    dict: its ``prompt``), cut to its last ``max_prompt_len`` tokens."""
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return encode_prompt(prompt["prompt"], tok, rc)
     if isinstance(prompt, str):
         if tok is None:
             raise ValueError("text prompts need a tokenizer (the model has none): give token ids")

@@ -29,31 +29,37 @@ from zeal.rlhf.common import (
     dp_slice,
     encode_prompt,
     load_policy,
+    sampling_seed,
     say,
     set_seed,
 )
 from zeal.rlhf.config import split_config
 from zeal.rlhf.dapo import fill_groups, informative_groups, soft_overlong_penalty, truncated
+from zeal.rlhf.flops import StepFlops
 from zeal.rlhf.grpo_losses import canonical_loss_type
 from zeal.rlhf.hybrid import HybridEngine, Rollout, generation_dtype
-from zeal.rlhf.multiturn import Environment, run_episodes
+from zeal.rlhf.multiturn import Environment, run_episodes, tool_environment
 from zeal.rlhf.packing import packed_logprobs
 from zeal.rlhf.shared_prefix import answer_batch, can_share, rollout_logprobs
+from zeal.rlhf.verifiers import config_rewards
 
 RewardFn = Callable[..., Sequence[float]]
 
 
 def score(reward_fn: RewardFn | Sequence[RewardFn], prompts: list[Any], rollouts: list[Rollout]) -> torch.Tensor:
     """The summed rewards of every rollout: each function is called as
-    ``fn(prompts, completions, completion_ids=...)`` (one entry per rollout) and returns
-    one float per rollout."""
+    ``fn(prompts, completions, completion_ids=..., **columns)`` (one entry per rollout) and
+    returns one float per rollout. Prompts given as rows (dicts with ``prompt``) are passed
+    as the rows, and their other fields as columns too (TRL's dataset columns: ``answer=[...]``)."""
     fns = list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
     ps = [prompts[r.group] for r in rollouts]
     texts = [r.text for r in rollouts]
     ids = [r.output_ids for r in rollouts]
+    keys = dict.fromkeys(k for p in ps if isinstance(p, dict) for k in p if k not in ("prompt", "prompts", "completions", "completion_ids"))
+    columns = {k: [p.get(k) if isinstance(p, dict) else None for p in ps] for k in keys}
     total = torch.zeros(len(rollouts))
     for fn in fns:
-        vals = list(fn(ps, texts, completion_ids=ids))
+        vals = list(fn(ps, texts, completion_ids=ids, **columns))
         if len(vals) != len(rollouts):
             raise ValueError(f"reward function {getattr(fn, '__name__', fn)!r} returned {len(vals)} values for "
                              f"{len(rollouts)} completions")
@@ -99,7 +105,7 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
     G, P = rc.num_generations, len(pick)
 
     def generate(idx: list[int], attempt: int, sync_now: bool) -> list[tuple[Any, list[Rollout], torch.Tensor]]:
-        seed = (rc.seed + 7919 * step + 15485863 * attempt) % (1 << 62) + rank * P * G
+        seed = sampling_seed(rc.seed, step, attempt) + rank * P * G
         params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                 seed=seed, logprobs=0)
         ps = [prompts[i] for i in idx]
@@ -110,6 +116,7 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
             envs = [environment(prompts[i]) for i in idx for _ in range(G)]
             ros, env_rew = run_episodes(hybrid, envs, SamplingParams(**{**params.__dict__, "n": 1}), rc.max_turns,
                                         rc.max_episode_tokens, sync=sync_now)
+            tool_calls.extend(float(getattr(e, "calls", 0)) for e in envs)
             for k, ro in enumerate(ros):
                 ro.group = k // G
             rew = torch.tensor(env_rew) + (score(reward_fn, ps, ros) if reward_fn is not None else 0.0)
@@ -120,6 +127,7 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
                                               rc.overlong_buffer, rc.overlong_penalty)
         return [(ps[g], ros[g * G:(g + 1) * G], rew[g * G:(g + 1) * G]) for g in range(len(idx))]
 
+    tool_calls: list[float] = []  # per episode, with a tool environment
     groups = generate(pick, 0, sync)
     stats: dict[str, float] = {}
     if rc.dynamic_sampling:
@@ -136,6 +144,8 @@ def make_batch(hybrid: HybridEngine, step: int, pick: list[int], version: int, p
             groups = generate(torch.randint(len(prompt_ids), (P,), generator=rng).tolist(), attempt, False)
         groups = fill_groups(kept, P, spare)
         stats = {"num_gen_batches": attempt, "informative_groups": len(kept) / seen}
+    if tool_calls:
+        stats["tool_calls"] = sum(tool_calls) / len(tool_calls)
     rollouts, rewards, ps = _regroup(groups)
     return RolloutBatch(rollouts, rewards, ps, version, stats)
 
@@ -154,16 +164,22 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
     :class:`~zeal.rlhf.multiturn.Environment` per answer, which then is a multi-turn episode
     (tool outputs masked out of the loss; see :mod:`zeal.rlhf.multiturn`, :class:`ToolEnv`)."""
     engine_cfg, rc = split_config(config)
-    if reward_fn is None and environment is None:
-        raise ValueError("grpo needs a reward function or an environment")
+    reward_fn = config_rewards(reward_fn, rc)  # rlhf.verifiers, rlhf.reward_funcs
+    if reward_fn is None and environment is None and not rc.tools:
+        raise ValueError("grpo needs a reward function, rlhf.verifiers, or an environment (rlhf.tools)")
     gen = set_seed(rc.seed)
     pol = load_policy(model, tokenizer, eos_token_ids, job="grpo")
     disable_dropout(pol.model)
+    if environment is None and rc.tools:
+        environment = tool_environment(pol.tokenizer, rc)
     ref = reference_policy(pol.model, engine_cfg) if rc.beta else None  # LoRA: the base, adapters off
     # with an environment each episode's prompt comes from its reset()
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts] if environment is None else [[]] * len(prompts)
     G = rc.num_generations
+    flops = StepFlops(pol.model)  # before ZeRO partitions the weights
     engine = build_engine(pol.model, engine_cfg, rc.batch_size * G, job="grpo")
+    flops.bind(engine.device)
+    shared = not rc.padding_free and rc.share_prompt and can_share(engine) and (ref is None or can_share(ref))
     say("grpo", f"building the serving engine for the rollouts (KV cache {rc.kv_cache_bytes / 2**20:.0f} MiB)")
     hybrid = HybridEngine(engine, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(engine.module.parameters()).dtype,
@@ -192,9 +208,10 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
             + (f"; rollouts generated up to {k} step(s) ahead, in a background thread" if k else ""))
         if k:
             pipe = RolloutPipeline(k, start + 1, rc.steps, produce, draw, hybrid.snapshot_weights,
-                                   hybrid.load_snapshot)
+                                   hybrid.load_snapshot, threads=rc.async_generator_threads)
     try:
         for step in range(start + 1, rc.steps + 1):
+            t_step = time.perf_counter()
             batch = pipe.get(step) if pipe else produce(step, draw(step), step - 1, sync=True)
             t0 = time.perf_counter()
             exact = hybrid.exact_logprobs and batch.version == step - 1
@@ -206,7 +223,8 @@ def grpo(model: Any, reward_fn: RewardFn | Sequence[RewardFn] | None, prompts: S
                 pipe.trained(step, t0)
             run.log(step, reward=batch.rewards.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
                     time_sync_s=t_sync, time_wait_s=t_wait, staleness=step - 1 - batch.version,
-                    **batch.stats, **stats)
+                    **batch.stats, **stats, **flops.grpo(batch.rollouts, shared, ref is not None, times.generate,
+                                                         t_train, time.perf_counter() - t_step))
             run.checkpoint(engine, step, final=step == rc.steps)
     finally:
         if pipe:

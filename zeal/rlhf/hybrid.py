@@ -23,6 +23,7 @@ from zeal.inference.sampling_params import SamplingParams
 from zeal.inference.tokenizer import Tokenizer
 from zeal.lora.apply import find_lora
 from zeal.rlhf.adapter_sync import ServingAdapters, adapter_names, adapter_stream, base_stream
+from zeal.rlhf.adapters import sync_stream
 
 
 @dataclass
@@ -102,6 +103,8 @@ class HybridEngine:
         #: fp32 actor gives only approximate ones, and the trainers then take the behaviour
         #: log-probs of ratios and KL from the training side
         self.exact_logprobs = next(model.parameters()).dtype == actor_dtype
+        dtypes = {p.dtype for p in model.parameters()}
+        self.serving_dtype = dtypes.pop() if len(dtypes) == 1 else None  # None: a mixed-dtype serving model
         self.llm = LLM(model, tokenizer, eos_token_ids=eos_token_ids, **llm_kwargs)
         self._lora = find_lora(module)  # LoRA: the serving copy holds the base once, syncs move the adapters
         self.adapters = ServingAdapters(model, self._lora) if self._lora else None
@@ -132,11 +135,19 @@ class HybridEngine:
 
     @torch.no_grad()
     def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """A copy of the actor's current weights (every rank calls it; at ZeRO-3 unit by
-        unit), for :meth:`load_snapshot` on another thread while the actor trains on."""
+        """A copy of the actor's current weights as the serving copy takes them (every rank
+        calls it; at ZeRO-3 unit by unit; with LoRA only the adapters, as :meth:`sync_weights`),
+        already in the serving copy's dtype (what loading would cast to: a bf16 copy of an
+        fp32 actor moves half the bytes), for :meth:`load_snapshot` on another thread while
+        the actor trains on."""
         was_training = self.engine.module.training
-        only = adapter_names(self.engine.module, self._lora) if self.adapters is not None else None
-        snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters(only)]
+        if self.adapters is not None:  # LoRA: the adapters only (the serving copy keeps its base)
+            only = adapter_names(self.engine.module, self._lora)
+            snap = [(name, p.detach().clone()) for name, p in self.engine.iter_gathered_parameters(only)]
+        else:
+            dt = self.serving_dtype
+            snap = [(name, p.detach().to(dt, copy=True) if dt is not None else p.detach().clone())
+                    for name, p in sync_stream(self.engine)]
         self.engine.module.train(was_training)
         return snap
 

@@ -108,8 +108,10 @@ class ToolEnv:
     ``reward_fns``: scored on the final answer; ``row``: the prompt (text, messages, or a
     dict with ``prompt`` and fields such as ``answer`` that reward functions read).
     A tool that raises answers ``error: ...``; an unknown tool is not a call.
-    ``tool_reward``: added once to an episode in which a tool ran without error (a shaping
-    term for teaching a model to use the tools at all; 0: off)."""
+    ``tool_reward``: added once, with the final answer, to an episode in which a tool ran
+    without error (a shaping term for teaching a model to use the tools at all; 0: off). An
+    episode cut by ``max_turns`` while still calling earns none: paid per call, a policy
+    learned to call the tool on every turn and never answer (``bench/rlhf/bench_tools.py``)."""
 
     def __init__(self, tokenizer, row: Any, tools: dict[str, Callable[..., str]], specs: list[dict],
                  reward_fns: Sequence[Callable] = (), system: str | None = None, tool_reward: float = 0.0) -> None:
@@ -120,7 +122,7 @@ class ToolEnv:
         msgs = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
         self.messages = ([{"role": "system", "content": system}] if system else []) + msgs
         self.calls = 0
-        self.tool_reward, self.rewarded = tool_reward, False
+        self.tool_reward, self.tool_ok = tool_reward, False
 
     def reset(self) -> list[int]:
         return self.tok.encode(self.tok.render_chat(self.messages, tools=self.specs), add_special_tokens=False)
@@ -129,6 +131,8 @@ class ToolEnv:
         calls = parse_tool_calls(action.text, self.funcs)  # a turn cut by length is a call only if it parses
         if calls is None:
             reward = sum(float(fn([self.row], [action.text])[0]) for fn in self.reward_fns)
+            if self.tool_reward and self.tool_ok:  # paid with the final answer: calling on and on earns nothing
+                reward += self.tool_reward
             return [], reward, True
         self.calls += len(calls)
         before = self.tok.render_chat(self.messages, tools=self.specs)
@@ -138,10 +142,8 @@ class ToolEnv:
         turn = self.tok.render_chat(self.messages + [asst], add_generation_prompt=False, tools=self.specs)
         self.messages += [asst] + results
         full = self.tok.render_chat(self.messages, tools=self.specs)
-        bonus = 0.0
-        if self.tool_reward and not self.rewarded and not any(m["content"].startswith("error:") for m in results):
-            bonus, self.rewarded = self.tool_reward, True
-        return self._observation(before, turn, full, action), bonus, False
+        self.tool_ok = self.tool_ok or not any(m["content"].startswith("error:") for m in results)
+        return self._observation(before, turn, full, action), 0.0, False
 
     def _run(self, function: dict) -> str:
         try:
@@ -164,3 +166,17 @@ class ToolEnv:
         if tail_ids and action.ids and tail_ids[0] == action.ids[-1]:
             tail_ids = tail_ids[1:]  # the end-of-turn token the policy generated
         return tail_ids + self.tok.encode(full[len(turn):], add_special_tokens=False)
+
+
+def tool_environment(tokenizer, rc) -> Callable[[Any], ToolEnv]:
+    """The environment factory of the config's tools (``rc.tools``, ``rc.retrieval_file``,
+    ``rc.tool_reward``): a fresh :class:`ToolEnv` per answer; the episode's final answer is
+    scored by GRPO's reward functions (``fn(rows, final texts)``)."""
+    from zeal.rlhf.tools import select_tools
+
+    fns, specs = select_tools(list(rc.tools), rc.retrieval_file)
+
+    def make(row: Any) -> ToolEnv:
+        return ToolEnv(tokenizer, row, fns, specs, tool_reward=rc.tool_reward)
+
+    return make

@@ -30,6 +30,7 @@ from zeal.rlhf.common import (
     encode_prompt,
     frozen_copy,
     load_policy,
+    sampling_seed,
     say,
     set_seed,
 )
@@ -133,7 +134,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     for step in range(start + 1, rc.steps + 1):  # one global batch, this rank's slice (as GRPO)
         pick = torch.randint(len(prompt_ids), (B * world,), generator=gen)[r * B:(r + 1) * B].tolist()
         params = SamplingParams(max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                                seed=(rc.seed + 7919 * step) % (1 << 62) + r * B, logprobs=0)
+                                seed=sampling_seed(rc.seed, step) + r * B, logprobs=0)
         rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
         b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pol.pad_id,
                  [r.logprobs for r in rollouts])

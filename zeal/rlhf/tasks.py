@@ -6,6 +6,10 @@ SFT conversations answer right, and preference pairs put a right answer before a
 :func:`graded_arithmetic_reward` grades the same questions with partial credit (a small
 model's first answers already earn a varying, non-zero reward: ``--reward
 zeal.rlhf.tasks:graded_arithmetic_reward``).
+
+:func:`calculator_task` is a toy multi-turn task for the calculator tool: a word-level
+vocabulary in which each tool call is one token, so that a 2-layer model learns within a
+short run to call the tool (tests and ``bench/rlhf/bench_tools.py``).
 """
 
 from __future__ import annotations
@@ -75,3 +79,39 @@ def graded_arithmetic_reward(prompts, completions, **_) -> list[float]:
         r = 0.1 + 0.2 * (want in got) + 0.4 / (1 + abs(got[0] - want)) + 0.3 * ((c or "").strip() == str(want))
         out.append(round(r, 6))
     return out
+
+
+CALC_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
+                 "{% if add_generation_prompt %}assistant : {% endif %}")
+CALC_EXPRESSIONS = ("2+3", "4*2", "9-5", "3+3")
+
+
+def calculator_call(expression: str) -> str:
+    """A calculator call as one whitespace-free word (one token of :func:`calculator_task`'s vocabulary)."""
+    import json
+
+    return ("<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}},
+                                       separators=(",", ":")) + "</tool_call>")
+
+
+def calculator_task(expressions=CALC_EXPRESSIONS):
+    """``(tokenizer, rows, vocabulary size)`` of the toy calculator task: rows
+    ``{"prompt": "What is 2+3 ?", "answer": 5}``; zeal's tokenizer over a word-level
+    vocabulary (roles, the numbers 0-20, the expressions and one call word per expression;
+    end token ``<eos>`` = id 1) with a chat template that renders tool messages."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+
+    from zeal.inference.tokenizer import Tokenizer
+    from zeal.rlhf.tools import safe_eval
+
+    words = ["[UNK]", "<eos>", "user", "assistant", "tool", "system", ":", "What", "is", "?", "error:"]
+    words += [str(i) for i in range(0, 21)] + list(expressions) + [calculator_call(e) for e in expressions]
+    hf = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = WhitespaceSplit()
+    hf.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok = Tokenizer(hf, {"eos_token": "<eos>", "chat_template": CALC_TEMPLATE})
+    rows = [{"prompt": f"What is {e} ?", "answer": safe_eval(e)} for e in expressions]
+    return tok, rows, len(words)

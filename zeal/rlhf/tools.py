@@ -111,3 +111,26 @@ def builtin_tools(retrieval_file: str | Path | None = None) -> tuple[dict[str, C
         fns["search"] = Retriever(retrieval_file)
         specs.append(RETRIEVAL_SPEC)
     return fns, specs
+
+
+TOOL_NAMES = ("calculator", "retrieval")
+
+
+def select_tools(names: list[str], retrieval_file: str | Path | None = None
+                 ) -> tuple[dict[str, Callable[..., str]], list[dict]]:
+    """``(functions by name, OpenAI specs)`` of the built-in tools named in ``names``
+    (``calculator``, ``retrieval``: the ``search`` function over ``retrieval_file``); a
+    one-line ``ValueError`` for an unknown name or a retrieval tool without a readable file."""
+    unknown = [n for n in names if n not in TOOL_NAMES]
+    if unknown:
+        raise ValueError(f"tools: unknown tool {unknown[0]!r} (known: {', '.join(TOOL_NAMES)})")
+    fns: dict[str, Callable[..., str]] = {}
+    specs: list[dict] = []
+    if "calculator" in names:
+        fns["calculator"], specs = calculator, [CALCULATOR_SPEC]
+    if "retrieval" in names:
+        if not retrieval_file or not Path(retrieval_file).is_file():
+            raise ValueError(f"tools: 'retrieval' needs rlhf.retrieval_file naming a text file (got {retrieval_file!r})")
+        fns["search"] = Retriever(retrieval_file)
+        specs.append(RETRIEVAL_SPEC)
+    return fns, specs

@@ -120,3 +120,20 @@ def code_tests_reward(prompts, completions, **kwargs) -> list[float]:
         out.append(1.0 if tests and run_tests(extract_code(c), str(tests)) else 0.0)
     return out
 
+
+
+VERIFIERS: dict[str, Callable] = {"math": math_answer_reward, "code": code_tests_reward}
+
+
+def config_rewards(reward_fn, rc) -> list[Callable] | Callable | None:
+    """``reward_fn`` (a function, a list, or None) with the config's verifiers
+    (``rc.verifiers``, names of :data:`VERIFIERS`) and ``rc.reward_funcs``
+    (``module:function``) appended; ``reward_fn`` itself when the config adds none."""
+    unknown = [v for v in rc.verifiers if v not in VERIFIERS]
+    if unknown:
+        raise ValueError(f"verifiers: unknown verifier {unknown[0]!r} (known: {', '.join(VERIFIERS)})")
+    extra = [VERIFIERS[v] for v in rc.verifiers] + [load_callable(spec) for spec in rc.reward_funcs]
+    if not extra:
+        return reward_fn
+    base = [] if reward_fn is None else list(reward_fn) if isinstance(reward_fn, (list, tuple)) else [reward_fn]
+    return base + extra
