@@ -52,21 +52,6 @@ class TiedHead:
 
 
 @dataclass
-class Stage:
-    """``forwards[c](x)``: chunk ``c``'s pass (one chunk without interleaving) — the
-    batch's inputs on virtual stage 0, the previous virtual stage's output elsewhere →
-    its output; ``loss(output, labels)`` on the last stage (after its last chunk)."""
-
-    module: nn.Module
-    index: int
-    count: int
-    forwards: list[Callable[[Any], torch.Tensor]]
-    loss: Callable[[torch.Tensor, Any], torch.Tensor] | None
-    tied: TiedHead | None = None
-    tokens: StageTokens | None = None  # zeal's GPT/Llama: how blocks number and attend tokens
-
-
-@dataclass
 class StageTokens:
     """How a zeal decoder stage's blocks attend and number their tokens: dense attention
     over ``arange(T)`` by default; sequence parallelism sets Ulysses attention and this
@@ -80,6 +65,21 @@ class StageTokens:
 
     def blocks_extra(self) -> tuple:
         return () if self.attention is None else (self.attention,)
+
+
+@dataclass
+class Stage:
+    """``forwards[c](x)``: chunk ``c``'s pass (one chunk without interleaving) — the
+    batch's inputs on virtual stage 0, the previous virtual stage's output elsewhere →
+    its output; ``loss(output, labels)`` on the last stage (after its last chunk)."""
+
+    module: nn.Module
+    index: int
+    count: int
+    forwards: list[Callable[[Any], torch.Tensor]]
+    loss: Callable[[torch.Tensor, Any], torch.Tensor] | None
+    tied: TiedHead | None = None
+    tokens: StageTokens | None = None  # zeal's GPT/Llama: how blocks number and attend tokens
 
     @property
     def first(self) -> bool:
