@@ -379,9 +379,6 @@ class Config(Section):
         if self.pipeline_parallel.size > 1 and z.stage == 3:
             raise ValueError("pipeline_parallel.size > 1 with zero_optimization.stage 3 is not supported "
                              "(as in DeepSpeed): use stage 0, 1 or 2")
-        if self.sequence_parallel_size > 1 and self.pipeline_parallel.size > 1:
-            raise ValueError("sequence_parallel_size > 1 with pipeline_parallel.size > 1 is not supported: "
-                             "use one of them (sequence parallelism composes with ZeRO and tensor parallelism)")
         if z.zero_hpz_partition_size > 1 and z.stage != 3:
             raise ValueError(f"zero_optimization.zero_hpz_partition_size needs zero_optimization.stage 3, got {z.stage}")
         for key, sec in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):

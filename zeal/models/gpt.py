@@ -208,10 +208,12 @@ class GPT(nn.Module, Checkpointable):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, attention: Attention = DENSE,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """``input_ids`` (B, T), or (T,) for a flat serving batch; ``positions`` default
         ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project (of a
-        (B, T) batch: the positions, e.g. an RLHF answer's)."""
+        (B, T) batch: the positions, e.g. an RLHF answer's); ``hidden_only``: the final
+        norm's output, the head's input (a caller scoring the head itself: sequence
+        parallelism's tiled loss)."""
         if positions is None:
             t = input_ids.shape[-1]
             if t > self.config.n_positions:
@@ -223,6 +225,8 @@ class GPT(nn.Module, Checkpointable):
         if logits_index is not None:
             x = x[logits_index] if x.dim() == 2 else x[:, logits_index]
         h = tr.ln_f(x, ops=fused_ops(attention))
+        if hidden_only:
+            return h
         if labels is None:
             return self.lm_head(h)
         loss = causal_lm_loss(self.lm_head, h, labels, self.checkpoint_policy)

@@ -375,10 +375,12 @@ class Llama(nn.Module, Checkpointable):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 positions: torch.Tensor | None = None, attention: Attention = DENSE,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None, hidden_only: bool = False) -> torch.Tensor:
         """``input_ids`` (B, T), or (T,) for a flat serving batch; ``positions`` default
         ``arange(T)``; ``logits_index`` picks the rows of the flat batch to project (of a
-        (B, T) batch: the positions, e.g. an RLHF answer's)."""
+        (B, T) batch: the positions, e.g. an RLHF answer's); ``hidden_only``: the final
+        norm's output, the head's input (a caller scoring the head itself: sequence
+        parallelism's tiled loss)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
         ops = fused_ops(attention)
@@ -389,6 +391,8 @@ class Llama(nn.Module, Checkpointable):
         if logits_index is not None:
             x = x[logits_index] if x.dim() == 2 else x[:, logits_index]
         h = self.model.norm(x, ops=ops)
+        if hidden_only:
+            return h
         if labels is None:
             return self.lm_head(h)
         if h.dim() == 2:  # a flat batch is one sequence

@@ -31,7 +31,9 @@ def model_ep_size(model: nn.Module) -> int:
 
 
 def apply_moe(model: nn.Module, mesh: Mesh) -> set[int]:
-    """Bind each MoE layer to ``mesh.ep``; returns the ids of the parameters dropped
+    """Bind each MoE layer to ``mesh.ep`` (its gate to ``mesh.sp`` under sequence
+    parallelism: the sp group's chunks route as more data, the aux loss is taken over
+    the whole sequences); returns the ids of the parameters dropped
     (other ranks' experts), which callers remove from their optimizer groups."""
     dropped: set[int] = set()
     for m in moe_layers(model):
@@ -39,4 +41,6 @@ def apply_moe(model: nn.Module, mesh: Mesh) -> set[int]:
             dropped |= {id(p) for p in m.bind(mesh.ep, mesh.ep_rank)}
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if mesh.sp_size > 1:  # routing stays per rank (its chunk); the aux loss is the whole sequences'
+            m.deepspeed_moe.gate.sp = mesh.sp
     return dropped

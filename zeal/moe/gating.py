@@ -79,6 +79,29 @@ def _max_count(counts: torch.Tensor, ep: Comm | None) -> int:
     return max(local, 1)
 
 
+def _frac(frac: torch.Tensor, sp: Comm | None) -> torch.Tensor:
+    """The routed-token fractions of the whole sequences: the mean over the sp group of
+    each chunk's (chunks hold equal token counts); as is without sequence parallelism."""
+    if sp is None or not sp.active:
+        return frac
+    total = frac.detach().clone()
+    sp.all_reduce(total, "control")
+    return total / sp.size
+
+
+def sequence_aux(local: torch.Tensor, sp: Comm | None) -> torch.Tensor:
+    """Under sequence parallelism each rank's ``local`` aux (its chunk's mean gate
+    probabilities against the whole sequences' fractions) is 1/S of the whole sequences'
+    one: the value returned is their mean over sp (the aux loss one process computes),
+    the gradient ``local``'s. As the language-model loss, every sp rank then carries S
+    times its share, which the gradient mean over dp (= data × sp) divides back."""
+    if sp is None or not sp.active:
+        return local
+    mean = local.detach().clone()
+    sp.all_reduce(mean, "control")
+    return local + (mean / sp.size - local).detach()
+
+
 def _slots(mask: torch.Tensor) -> torch.Tensor:
     """[S, E] 0/1 → the slot of each token in its expert's buffer (token order)."""
     return torch.cumsum(mask, dim=0) - 1
@@ -86,7 +109,8 @@ def _slots(mask: torch.Tensor) -> torch.Tensor:
 
 def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
                used_token: torch.Tensor | None = None, noisy_gate_policy: str | None = None,
-               drop_tokens: bool = True, use_rts: bool = True, ep: Comm | None = None) -> Routing:
+               drop_tokens: bool = True, use_rts: bool = True, ep: Comm | None = None,
+               sp: Comm | None = None) -> Routing:
     """Top-1 routing of ``logits`` [S, E] (see the module docstring)."""
     gates = F.softmax(logits.float(), dim=1)
     s, e = gates.shape
@@ -97,7 +121,7 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
     if used_token is not None:
         mask = mask * used_token.reshape(-1, 1).to(torch.long)
     exp_counts = mask.sum(dim=0).detach().cpu()
-    l_aux = torch.sum(gates.mean(dim=0) * mask.float().mean(dim=0)) * e
+    l_aux = sequence_aux(torch.sum(gates.mean(dim=0) * _frac(mask.float().mean(dim=0), sp)) * e, sp)
     if not drop_tokens:
         cap = _max_count(exp_counts, ep)
     elif use_rts:  # keep a uniformly random C of each expert's tokens
@@ -115,7 +139,7 @@ def top1gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int,
 
 
 def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep: Comm | None = None, second_expert_sampling: bool = True) -> Routing:
+               ep: Comm | None = None, second_expert_sampling: bool = True, sp: Comm | None = None) -> Routing:
     """Top-2 routing of ``logits`` [S, E] (see the module docstring)."""
     gates = F.softmax(logits.float(), dim=1)
     s, e = gates.shape
@@ -126,7 +150,7 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
     mask2 = F.one_hot(idx2, e).to(torch.long)
     loc1 = _slots(mask1)
     loc2 = _slots(mask2) + mask1.sum(dim=0, keepdim=True)  # second choices queue after all first ones
-    l_aux = torch.mean(gates.mean(dim=0) * mask1.float().mean(dim=0)) * e * e
+    l_aux = sequence_aux(torch.mean(gates.mean(dim=0) * _frac(mask1.float().mean(dim=0), sp)) * e * e, sp)
     exp_counts = (mask1 + mask2).sum(dim=0).detach().cpu()
     cap = capacity(s, e, capacity_factor, min_capacity, k=2) if drop_tokens else _max_count(exp_counts, ep)
     mask1 = mask1 * (loc1 < cap)
@@ -141,14 +165,14 @@ def top2gating(logits: torch.Tensor, capacity_factor: float, min_capacity: int, 
 
 
 def topkgating(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, drop_tokens: bool = True,
-               ep: Comm | None = None, normalize: bool = True) -> Routing:
+               ep: Comm | None = None, normalize: bool = True, sp: Comm | None = None) -> Routing:
     """Top-k routing of ``logits`` [S, E] for any k (see the module docstring)."""
     gates = F.softmax(logits.float(), dim=1)
     s, e = gates.shape
     top = torch.topk(gates, k, dim=1).indices.t()  # [k, S], most probable first
     masks = [F.one_hot(top[j], e).to(torch.long) for j in range(k)]
     counts = torch.stack(masks).sum(dim=(0, 1))
-    l_aux = torch.sum(gates.mean(dim=0) * counts.float() / s) * e / k
+    l_aux = sequence_aux(torch.sum(gates.mean(dim=0) * _frac(counts.float() / s, sp)) * e / k, sp)
     exp_counts = counts.detach().cpu()
     cap = capacity(s, e, capacity_factor, min_capacity, k=k) if drop_tokens else _max_count(exp_counts, ep)
     before = torch.zeros(1, e, dtype=torch.long, device=logits.device)  # earlier choices of each expert
@@ -186,6 +210,7 @@ class TopKGate(torch.nn.Module):
         self.min_capacity, self.noisy_gate_policy = min_capacity, noisy_gate_policy
         self.drop_tokens, self.use_rts, self.second_expert_sampling = drop_tokens, use_rts, top2_2nd_expert_sampling
         self.ep: Comm | None = None  # bound by the MoE layer (drop_tokens=False all-reduces over it)
+        self.sp: Comm | None = None  # sequence parallelism: the aux loss is the whole sequences' (bound by apply_moe)
         self.norm_topk_prob: bool | None = None
 
     def forward(self, x: torch.Tensor, used_token: torch.Tensor | None = None) -> Routing:
@@ -196,9 +221,10 @@ class TopKGate(torch.nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         if self.k > 2 or self.norm_topk_prob is not None:
             normalize = True if self.norm_topk_prob is None else self.norm_topk_prob
-            return topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep, normalize)
+            return topkgating(logits, self.k, cf, self.min_capacity, self.drop_tokens, self.ep, normalize, self.sp)
         if self.k == 1:
             return top1gating(logits, cf, self.min_capacity, used_token,
                               self.noisy_gate_policy if self.training else None, self.drop_tokens, self.use_rts,
-                              self.ep)
-        return top2gating(logits, cf, self.min_capacity, self.drop_tokens, self.ep, self.second_expert_sampling)
+                              self.ep, self.sp)
+        return top2gating(logits, cf, self.min_capacity, self.drop_tokens, self.ep, self.second_expert_sampling,
+                          self.sp)

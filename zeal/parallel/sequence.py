@@ -36,6 +36,9 @@ from torch import nn
 
 from zeal.dist.comm import Comm
 from zeal.dist.mesh import Mesh
+from zeal.models.hf_tiled import head_params, hf_lm_parts
+from zeal.models.moe_mlp import moe_aux_loss
+from zeal.models.tiled import NumShards, tiled_logits_loss
 from zeal.parallel.ulysses import UlyssesAttention, register_hf_attention
 
 IGNORE = -100
@@ -46,10 +49,22 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "_attn_implementation")
 
 
-def apply_sequence_parallel(model: nn.Module, mesh: Mesh) -> SequenceParallel | None:
-    """Swap ``model``'s attention for Ulysses attention over ``mesh.sp`` (None at sp 1);
-    raises ValueError naming what does not fit (heads, model kind)."""
+def apply_sequence_parallel(model: nn.Module, mesh: Mesh, stage: Any = None) -> SequenceParallel | None:
+    """Swap ``model``'s attention for Ulysses attention over ``mesh.sp`` (None at sp 1,
+    and for a pipeline ``stage``, whose passes are made sequence-parallel in place:
+    :func:`zeal.parallel.sequence_pipe.shard_stage`); raises ValueError naming what does
+    not fit (heads, model kind)."""
     if mesh.sp_size == 1:
+        return None
+    cfg = getattr(model, "config", None)
+    if is_hf_model(model) and (getattr(cfg, "num_local_experts", 0) or getattr(cfg, "num_experts", 0)):
+        raise ValueError("sequence_parallel_size > 1 with a Hugging Face mixture-of-experts model is not "
+                         "supported (its forward takes the router loss per chunk): load it as zeal's Llama "
+                         "(zeal.models.hf_moe) or use sequence_parallel_size 1")
+    if stage is not None:
+        from zeal.parallel.sequence_pipe import shard_stage
+
+        shard_stage(stage, model, mesh.sp)
         return None
     if is_hf_model(model):
         register_hf_attention(model, mesh.sp)
@@ -80,6 +95,7 @@ class SequenceParallel:
         self.model, self.comm, self.hf = model, comm, hf
         self.attention = UlyssesAttention(comm)
         self._signature = inspect.signature(model.forward)
+        self.loss_shards: NumShards | None = None  # tiling.tiled_logits_loss: the chunk's loss over tiles
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         own = {k: kwargs.pop(k) for k in ("shift_labels", "position_ids", "positions", "attention_mask")
@@ -107,7 +123,9 @@ class SequenceParallel:
                 raise ValueError("a sequence-parallel chunk (shift_labels given) needs its global position_ids")
             chunk, pos_chunk, y, full_len = ids, pos.expand_as(ids), shift, None
         else:
-            chunk, pos_chunk, y, full_len = self._shard(ids, labels, pos)
+            chunk, pos_chunk, y, full_len = shard_batch(ids, labels, pos, self.comm)
+        if y is not None and self.loss_shards is not None:
+            return self._tiled(chunk, pos_chunk, y, a)
         out = self._run(chunk, pos_chunk, a)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         if y is None:
@@ -116,45 +134,86 @@ class SequenceParallel:
                 return full
             out.logits = full
             return out
-        loss = self._loss(logits, y)
+        loss = self._with_aux(self._loss(logits, y))
         if isinstance(out, torch.Tensor):
             return loss
         out.loss = loss
         return out
 
     # -- pieces --------------------------------------------------------------------------------
-    def _shard(self, ids: torch.Tensor, labels: torch.Tensor | None,
-               pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """This rank's chunk of full sequences: (ids, global positions, shifted labels, T)."""
-        s, r = self.comm.size, self.comm.ranks.index(self.comm.ctx.rank)
-        b, t = ids.shape
-        if pos is None:
-            pos = torch.arange(t, device=ids.device)
-        pos = pos.expand(b, t)
-        y = None
-        if labels is not None:
-            labels = labels.reshape(b, t)
-            y = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift BEFORE sharding
-        pad = -t % s
-        if pad:
-            ids = F.pad(ids, (0, pad), value=0)
-            pos = torch.cat([pos, pos[:, -1:].expand(b, pad)], dim=1)
-            y = None if y is None else F.pad(y, (0, pad), value=IGNORE)
-        n = (t + pad) // s
-        cut = slice(r * n, (r + 1) * n)
-        return ids[:, cut], pos[:, cut], None if y is None else y[:, cut], t
-
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, rest: dict) -> Any:
         if self.hf:
             rest.setdefault("use_cache", False)
             return self.model(input_ids=ids, position_ids=pos, **rest)
         return self.model(ids, positions=pos, attention=self.attention, **rest)
 
+    def _tiled(self, ids: torch.Tensor, pos: torch.Tensor, y: torch.Tensor, rest: dict) -> Any:
+        """The loss of this rank's chunk over tiles of rows: the head's input from the model
+        (zeal: ``hidden_only``; Hugging Face: its base model), never whole logits."""
+        if self.hf:
+            parts = hf_lm_parts(self.model)
+            if isinstance(parts, str):
+                raise ValueError(f"tiling.tiled_logits_loss under sequence parallelism: {parts}")
+            base, head = parts
+            rest.setdefault("use_cache", False)
+            out = base(input_ids=ids, position_ids=pos, **rest)
+            project, ce, h = head, F.cross_entropy, out.last_hidden_state
+        else:
+            head = self.model.lm_head
+            project, ce = self.model.checkpoint_policy.logits_loss or (head, F.cross_entropy)
+            h = self.model(ids, positions=pos, attention=self.attention, hidden_only=True, **rest)
+        total, count = tiled_logits_loss(project, h, y, self.loss_shards, params=head_params(head),
+                                         cross_entropy=ce, ignore_index=IGNORE,
+                                         vocab=getattr(head, "out_features", None))
+        loss = self._with_aux(_SequenceLoss.apply(total, count.to(torch.float64), self.comm))
+        if not self.hf:
+            return loss
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=None)
+
+    def _with_aux(self, loss: torch.Tensor) -> torch.Tensor:
+        """zeal's MoE models: ``loss + aux_loss_coef ·`` the load-balancing loss, whose
+        value the gates made the whole sequences' (:func:`zeal.moe.gating.sequence_aux`)."""
+        coef = getattr(getattr(self.model, "config", None), "aux_loss_coef", None)
+        aux = moe_aux_loss(self.model) if coef and not self.hf else None
+        return loss if aux is None else loss + coef * aux
+
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         local = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1),
                                 ignore_index=IGNORE, reduction="sum")
         count = (y != IGNORE).sum().to(torch.float64)
         return _SequenceLoss.apply(local, count, self.comm)
+
+
+def shard_batch(ids: torch.Tensor, labels: torch.Tensor | None, pos: torch.Tensor | None,
+                comm: Comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """This rank's chunk of full sequences ``ids`` (B, T): (ids, global positions, shifted
+    labels or None, T). Labels are shifted before sharding; T is padded to a multiple of
+    S (pad labels -100, pad positions repeat the last one)."""
+    s, r = comm.size, comm.ranks.index(comm.ctx.rank)
+    b, t = ids.shape
+    if pos is None:
+        pos = torch.arange(t, device=ids.device)
+    pos = pos.expand(b, t)
+    y = None
+    if labels is not None:
+        labels = labels.reshape(b, t)
+        y = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift BEFORE sharding
+    pad = -t % s
+    if pad:
+        ids = F.pad(ids, (0, pad), value=0)
+        pos = torch.cat([pos, pos[:, -1:].expand(b, pad)], dim=1)
+        y = None if y is None else F.pad(y, (0, pad), value=IGNORE)
+    n = (t + pad) // s
+    cut = slice(r * n, (r + 1) * n)
+    return ids[:, cut], pos[:, cut], None if y is None else y[:, cut], t
+
+
+def sequence_loss(total: torch.Tensor, count: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The whole sequences' mean from this chunk's loss sum and token count (see the module
+    docstring: the value on every sp rank, S / count per token in backward)."""
+    return _SequenceLoss.apply(total, count.to(torch.float64), comm)
 
 
 class _SequenceLoss(torch.autograd.Function):

@@ -52,6 +52,22 @@ class TiedHead:
 
 
 @dataclass
+class StageTokens:
+    """How a zeal decoder stage's blocks attend and number their tokens: dense attention
+    over ``arange(T)`` by default; sequence parallelism sets Ulysses attention and this
+    rank's global positions (``positions(t, device)`` for a chunk of ``t`` tokens)."""
+
+    attention: Any = None
+    positions: Callable[[int, torch.device], torch.Tensor] | None = None
+
+    def at(self, t: int, device: torch.device) -> torch.Tensor:
+        return self.positions(t, device) if self.positions is not None else torch.arange(t, device=device)
+
+    def blocks_extra(self) -> tuple:
+        return () if self.attention is None else (self.attention,)
+
+
+@dataclass
 class Stage:
     """``forwards[c](x)``: chunk ``c``'s pass (one chunk without interleaving) — the
     batch's inputs on virtual stage 0, the previous virtual stage's output elsewhere →
@@ -63,6 +79,7 @@ class Stage:
     forwards: list[Callable[[Any], torch.Tensor]]
     loss: Callable[[torch.Tensor, Any], torch.Tensor] | None
     tied: TiedHead | None = None
+    tokens: StageTokens | None = None  # zeal's GPT/Llama: how blocks number and attend tokens
 
     @property
     def first(self) -> bool:
@@ -151,27 +168,29 @@ def _split_decoder(model: nn.Module, index: int, count: int, chunks: int, parts:
             del model.lm_head.weight  # computed with a copy the engine installs (not a parameter)
             tied.owner = model.lm_head
     is_llama = parts is _LLAMA_PARTS
+    tokens = StageTokens()
 
     def chunk_forward(kept: list[nn.Module], embeds: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         def forward(x: torch.Tensor) -> torch.Tensor:
             if embeds:
                 ids = x
-                positions = torch.arange(ids.shape[-1], device=ids.device)
+                positions = tokens.at(ids.shape[-1], ids.device)
                 if is_llama:
                     x = trunk.embed_tokens(ids)
                 else:
                     x = trunk.drop(trunk.wte(ids) + trunk.wpe(positions))
             if is_llama:
-                rope = model.rope(torch.arange(x.shape[-2], device=x.device), x.dtype)
-                return run_blocks(kept, x, model.checkpoint_policy, rope)
-            return run_blocks(kept, x, model.checkpoint_policy)  # the policy activation checkpointing set
+                rope = model.rope(tokens.at(x.shape[-2], x.device), x.dtype)
+                return run_blocks(kept, x, model.checkpoint_policy, rope, *tokens.blocks_extra())
+            # the policy activation checkpointing set
+            return run_blocks(kept, x, model.checkpoint_policy, *tokens.blocks_extra())
         return forward
 
     def loss(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return causal_lm_loss(model.lm_head, getattr(trunk, parts.norm)(x), labels, model.checkpoint_policy)
 
     forwards = [chunk_forward([blocks[i] for i in r], first and c == 0) for c, r in enumerate(ranges)]
-    return Stage(model, index, count, forwards, loss if last else None, tied)
+    return Stage(model, index, count, forwards, loss if last else None, tied, tokens)
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:

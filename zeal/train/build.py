@@ -65,7 +65,7 @@ from zeal.train.compile import apply_compile
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.flops_profiler import FlopsProfiler
 from zeal.train.lr_schedules import build_scheduler
-from zeal.train.tiling import apply_tiling, attach_to_zero
+from zeal.train.tiling import apply_tiling, attach_to_zero, tiled_loss_runner
 from zeal.utils.process import set_malloc_thresholds
 from zeal.zero.apply import apply_zero
 from zeal.zero.offload.apply import apply_offload
@@ -133,9 +133,10 @@ def initialize(
         apply_rng_regions(model, tp, cfg.seed, pp_rank=mesh.pp_rank)
     if tp is not None and any(p.is_meta for p in model.parameters()):
         init = init_full_then_slice(init, model, tp)
-    sp = _sequence_parallel(model, mesh)  # after tp: Ulysses splits each tp rank's heads
+    sp = _sequence_parallel(model, mesh, stage)  # after tp: Ulysses splits each tp rank's heads
     dropped = apply_moe(model, mesh)  # this rank's experts; the others leave the optimizer groups
     tiled = apply_tiling(model, cfg.tiling)  # ALST: dense MLPs over sequence tiles, the tiled logits loss
+    sp = tiled_loss_runner(model, cfg.tiling, sp)  # HF causal LMs and sp chunks: the loss over tiles too
     groups = [[p for p in g if id(p) not in dropped] for g in groups]
     experts = expert_comm_group(model, mesh)  # MoE: expert parameters live over the expert-data group
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed,
@@ -219,13 +220,9 @@ def _mesh(cfg: Config, ep: int = 1) -> Mesh:
     return mesh
 
 
-def _sequence_parallel(model: nn.Module, mesh: Mesh) -> Any:
-    cfg = getattr(model, "config", None)
-    if mesh.sp_size > 1 and (mesh.ep_size > 1 or getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)):
-        raise ConfigError("sequence_parallel_size > 1 with a mixture-of-experts model is not supported "
-                          "(its load-balancing loss would be per chunk): use sequence_parallel_size 1")
+def _sequence_parallel(model: nn.Module, mesh: Mesh, stage: Any) -> Any:
     try:
-        return apply_sequence_parallel(model, mesh)
+        return apply_sequence_parallel(model, mesh, stage)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -9,8 +9,10 @@ names, so ZeRO's units and checkpoints see no difference):
   Llama, Qwen2, Mistral, GPT-2 ...) is wrapped in :class:`zeal.models.tiled.TiledMLP`.
   An MoE layer is left alone (its routing capacity depends on the tokens of the call).
 * tiled logits loss: zeal's GPT and Llama score their loss with
-  :func:`zeal.models.tiled.tiled_logits_loss` (a Hugging Face model computes its own
-  loss from whole logits; the setting is logged as not applying to it).
+  :func:`zeal.models.tiled.tiled_logits_loss`; a Hugging Face causal LM (whose forward
+  projects whole logits) is run by :class:`zeal.models.hf_tiled.HFTiledLoss` instead of
+  its forward, and the sequence-parallel runner tiles its chunk's loss
+  (:func:`tiled_loss_runner`).
 
 Under ZeRO-3, :func:`attach_to_zero` makes each TiledMLP hold its MLP's units for the
 whole call: they are gathered once per MLP forward and once per MLP backward, not per
@@ -20,11 +22,13 @@ tile (the per-tile calls of the inner linears find them gathered).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 
 from zeal.config.tiling import TilingConfig
 from zeal.models.checkpointing import Checkpointable
+from zeal.models.hf_tiled import hf_tiled_loss
 from zeal.models.tiled import TiledMLP
 
 log = logging.getLogger("zeal")
@@ -60,10 +64,28 @@ def apply_tiling(model: nn.Module, section: TilingConfig | None) -> list[TiledML
         targets = [m for m in model.modules() if isinstance(m, Checkpointable)]
         for m in targets:
             m.checkpoint_policy.loss_shards = section.tiled_logits_loss.num_shards
-        if not targets:
-            log.warning("tiling.tiled_logits_loss: applies to zeal's GPT and Llama; %s computes its own loss "
-                        "from whole logits", type(model).__name__)
     return wrapped
+
+
+def tiled_loss_runner(model: nn.Module, section: TilingConfig | None, sp: Any) -> Any:
+    """What the engine runs in place of ``model(...)`` (``sp``: the sequence-parallel runner
+    or None): under ``tiled_logits_loss``, ``sp`` takes its loss over tiles, and a Hugging
+    Face causal LM without sp is run by :class:`zeal.models.hf_tiled.HFTiledLoss` (zeal's
+    own models tile inside, :func:`apply_tiling`)."""
+    if section is None or not section.tiled_logits_loss.enabled:
+        return sp
+    shards = section.tiled_logits_loss.num_shards
+    if sp is not None:
+        sp.loss_shards = shards
+        return sp
+    if any(isinstance(m, Checkpointable) for m in model.modules()):
+        return None
+    runner = hf_tiled_loss(model, shards)
+    if isinstance(runner, str):
+        log.warning("tiling.tiled_logits_loss does not apply: %s; the model computes its own loss from whole "
+                    "logits", runner)
+        return None
+    return runner
 
 
 def attach_to_zero(wrapped: list[TiledMLP], coordinator: object | None) -> None:
