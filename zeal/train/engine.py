@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any

@@ -30,8 +30,8 @@ from zeal.dist.comm import Comm
 from zeal.dist.mesh import Mesh
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.groups import CommGroup, RoutedCollectives, RoutedReducer, comm_of, group_index, split_groups
-from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.offload.staging import Staging
+from zeal.zero.param_coordinator import ParamCoordinator
 from zeal.zero.shard_home import DiskShards, HostShards, MemoryShards
 from zeal.zero.stages import ZeroStage, resolve_stage
 from zeal.zero.units import (
