@@ -54,12 +54,20 @@ class EventClock:
 
     def add(self, name: str, start: torch.cuda.Event, end: torch.cuda.Event | None = None) -> None:
         self._open.append((name, start, self.mark() if end is None else end))
+        if len(self._open) >= 256:  # a timer nobody reads must not hold events without bound
+            self._settle(block=False)
 
-    def _settle(self) -> None:
+    def _settle(self, block: bool = True) -> None:
+        """Turn recorded pairs into seconds: all of them (waiting), or those already reached."""
+        keep = []
         for name, start, end in self._open:
-            end.synchronize()
+            if block:
+                end.synchronize()
+            elif not end.query():
+                keep.append((name, start, end))
+                continue
             self._totals[name] += start.elapsed_time(end) / 1e3
-        self._open.clear()
+        self._open = keep
 
     def totals(self) -> dict[str, float]:
         self._settle()
