@@ -186,3 +186,49 @@ def test_copies_ordered_by_stream_and_events(monkeypatch):
     assert [e[:2] for e in log] == [("wait_stream", "copy"), ("enter", "copy"), ("exit", "copy"), ("keep", "copy"),
                                     ("record", "copy"), ("wait_event", "compute")]
     assert torch.equal(dst, src) and s.stats.uploads == 1 and s.stats.downloads == 2
+
+
+def _resume_ranks(rank, world, path):
+    """Stage 3 with parameters and optimizer in host memory, staging forced: train straight,
+    and train, save, load into a fresh engine, train on: equal; the checkpoint loads into a
+    plain stage-1 engine too."""
+    staging_mod.FORCE_CROSSING = True
+    zo = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"},
+          "offload_optimizer": {"device": "cpu"}}
+
+    def engine_for(zo):
+        torch.manual_seed(0)
+        return zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zo,
+                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "fused": False}}})
+
+    batches = make_batches(4, 1, world, 2)
+
+    def train(engine, steps):
+        for step in steps:
+            engine.backward(engine(step[0][rank]))
+            engine.step()
+
+    straight = engine_for(zo)
+    train(straight, batches)
+    first = engine_for(zo)
+    train(first, batches[:2])
+    first.save_checkpoint(path + "/ckpt", tag="t")
+    resumed = engine_for(zo)
+    resumed.load_checkpoint(path + "/ckpt", tag="t")
+    train(resumed, batches[2:])
+    plain = engine_for({"stage": 1})
+    plain.load_checkpoint(path + "/ckpt", tag="t")
+    out = (straight.module_state_dict(), resumed.module_state_dict(), first.module_state_dict(),
+           plain.module_state_dict())
+    staging_mod.FORCE_CROSSING = False
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_host_parameter_tier_checkpoint_resumes_exactly_on_two_ranks(tmp_path):
+    from tests.dist_harness import run_ranks
+
+    for straight, resumed, first, plain in run_ranks(_resume_ranks, 2, str(tmp_path), timeout=140):
+        for k in straight:
+            assert torch.equal(straight[k], resumed[k]), k
+            assert torch.equal(first[k], plain[k]), k
