@@ -171,7 +171,20 @@ def stage_train_correct(dry: bool) -> dict:
             "device": "nvme", "nvme_path": nvme}}}, 1e-5),
         "stage3_offload_param_nvme": (base | {"zero_optimization": {"stage": 3, "offload_param": {
             "device": "nvme", "nvme_path": nvme}}}, 1e-5),
+        # parameters in (pinned) host memory, uploaded before each gather; with and without the CPU optimizer
+        "stage3_offload_param_cpu": (base | {"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "cpu", "pin_memory": True}}}, 1e-5),
+        "stage3_offload_param_cpu_optimizer_cpu": (base | {"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "cpu", "pin_memory": True}, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, 1e-5),
+        "stage3_offload_all_nvme": (base | {"zero_optimization": {"stage": 3, "offload_param": {
+            "device": "nvme", "nvme_path": nvme}, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}, 1e-5),
+        "stage3_bf16_offload_optimizer_cpu": (base | {"bf16": {"enabled": True}, "zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, 3e-2),
     }
+    if dry:  # the CPU has no device/host boundary: run the staging path anyway, as on the GPU
+        from zeal.zero.offload import staging
+
+        staging.FORCE_CROSSING = True
     results = {}
     for name, (cfg, tol) in cases.items():
         t = time.perf_counter()

@@ -32,6 +32,7 @@ from zeal.zero.estimate import (
     fmt_bytes,
     gpt_shape,
     hf_shape,
+    implemented_on,
     parse_bytes,
     recommend,
 )
@@ -153,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     cpu_budget = parse_bytes(args.cpu_budget) if args.cpu_budget else None
     best = None
     if budget is not None:
-        best = recommend(candidate_plans(shape, args.world_size, micro, **kw), budget, cpu_budget)
+        best = recommend([p for p in candidate_plans(shape, args.world_size, micro, **kw)
+                          if implemented_on(p, "cuda" if args.device == "gpu" else args.device)], budget, cpu_budget)
     if args.json:
         print(json.dumps({"model": shape.name, "params": shape.num_params, "world_size": args.world_size,
                           "micro_batch": micro, "seq_len": args.seq_len, "precision": precision,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from zeal.parallel.tensor import TensorParallel
+from zeal.zero.optimizer import squared_norms
 from zeal.zero.partition import slot_overlap
 from zeal.zero.stages import ZeroStage
 from zeal.zero.units import FlatUnit
@@ -39,14 +40,12 @@ class TPGradNorm:
     def sq(self, grads: list[torch.Tensor]) -> float:
         """Σ_tp (split parameters' squares) + replicated parameters' squares, of these grads."""
         split = repl = 0.0
-        for g, segs in zip(grads, self.segments):
-            flat = g.view(-1)
-            for lo, hi, is_split in segs:
-                v = float(torch.linalg.vector_norm(flat[lo:hi], dtype=torch.float32)) ** 2
-                if is_split:
-                    split += v
-                else:
-                    repl += v
+        pieces = [(g.view(-1)[lo:hi], is_split) for g, segs in zip(grads, self.segments) for lo, hi, is_split in segs]
+        for v, (_, is_split) in zip(squared_norms([p for p, _ in pieces]), pieces):  # one host sync
+            if is_split:
+                split += v
+            else:
+                repl += v
         return self.comm.all_reduce_scalar(split, "sum") + repl
 
     def any(self, flag: bool) -> bool:

@@ -20,7 +20,6 @@ ZeRO's gradient reduction works as under gradient accumulation.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -30,6 +29,7 @@ from zeal.pipe.schedule import schedule
 from zeal.pipe.stages import Stage, split_batch
 from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.hooks import run_hooks
+from zeal.utils.timers import make_clock
 
 TAG_ACT, TAG_GRAD, TAG_TIED, TAG_HEAD = 1, 2, 3, 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
@@ -44,8 +44,7 @@ class PipelineEngine(TrainEngine):
         self.stage = stage
         self.schedule_name = schedule_name
         self.pp = parts.mesh.pp
-        self.bubble_time = 0.0  # seconds this stage waited for its peers in the last train_batch
-        self.busy_time = 0.0    # seconds it computed
+        self._phases = make_clock(self.device)  # "bubble"/"busy" of the last train_batch (CUDA events on CUDA)
         self.peak_in_flight = 0  # most micro-batches whose activations this stage held at once
         parts.zero_optimizer.across = self.pp  # the norm and the overflow flag cover every stage
         self._iter: Iterator | None = None
@@ -95,7 +94,7 @@ class PipelineEngine(TrainEngine):
         losses: list[torch.Tensor] = []
         sends: list = []
         backwards, total = 0, m_count * self.stage.chunks
-        self.bubble_time = self.busy_time = 0.0
+        self._phases = make_clock(self.device)
         self.peak_in_flight = 0
         for kind, m, c in steps:
             if kind == "F":
@@ -111,11 +110,11 @@ class PipelineEngine(TrainEngine):
             boundary = backwards == total - 1
             x, out = inputs.pop((m, c)), outputs.pop((m, c))
             roots, grads = self._backward_roots(out, c, scale, boundary)
-            t0 = time.perf_counter()
+            t0 = self._phases.mark()
             run_hooks(self._hooks, "before_backward", boundary)
             torch.autograd.backward(roots, grads)
             run_hooks(self._hooks, "after_backward")
-            self.busy_time += time.perf_counter() - t0
+            self._phases.add("busy", t0)
             backwards += 1
             if not self.stage.starts(c):
                 sends.append(self.pp.isend(x.grad, self._prev, "grad", TAG_GRAD))
@@ -176,13 +175,13 @@ class PipelineEngine(TrainEngine):
             x = self._recv_activation()
             if torch.is_grad_enabled() and x.is_floating_point():
                 x.requires_grad_(True)
-        t0 = time.perf_counter()
+        t0 = self._phases.mark()
         # The stage runs on a copy of a received activation (as DeepSpeed's): x stays the leaf
         # whose .grad goes back, and a first layer may work in place (nn.ReLU(inplace=True)).
         out = self.stage.forwards[c](x.clone() if x.requires_grad else x)
         if self.stage.ends(c):
             out = self.stage.loss(out, self._to_device(batches[m][1]))
-        self.busy_time += time.perf_counter() - t0
+        self._phases.add("busy", t0)
         return x, out
 
     def _backward_roots(self, out: torch.Tensor, c: int, scale: float, boundary: bool) -> tuple[list, list]:
@@ -220,15 +219,25 @@ class PipelineEngine(TrainEngine):
         return x
 
     def _wait(self, work: Any) -> None:
-        t0 = time.perf_counter()
+        t0 = self._phases.mark()
         work.wait()
-        self.bubble_time += time.perf_counter() - t0
+        self._phases.add("bubble", t0)
+
+    @property
+    def bubble_time(self) -> float:
+        """Seconds this stage waited for its peers in the last train_batch."""
+        return self._phases.total("bubble")
+
+    @property
+    def busy_time(self) -> float:
+        """Seconds it computed in the last train_batch."""
+        return self._phases.total("busy")
 
     def _optimizer_step(self, m_count: int) -> None:
         p = self._p
         self.micro_steps += m_count
         self.global_samples += p.micro_batch * m_count * self.mesh.dp_size
-        t0 = time.perf_counter()
+        t0 = self._mark()
         applied = p.zero_optimizer.step()
         run_hooks(self._hooks, "after_step", applied)
         if applied and self.lr_scheduler is not None:

@@ -70,7 +70,7 @@ def distill(student: Any, teacher: Any, prompts: Sequence[Any], config: Any = No
         pick = torch.randint(len(prompt_ids), (P * world,), generator=gen)[r * P:(r + 1) * P].tolist()
         params = SamplingParams(n=G, max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                 seed=sampling_seed(rc.seed, step) + r * P * G, logprobs=0)
-        ros = hybrid.generate([prompt_ids[i] for i in pick], params)
+        ros = hybrid.generate([prompt_ids[i] for i in pick], params, reload_next=True)  # next step syncs
         b = pack([x.prompt_ids for x in ros], [x.output_ids for x in ros], pol.pad_id)
         s0 = min(len(x.prompt_ids) for x in ros) - 1
         mask = b.mask[:, s0:]

@@ -160,10 +160,13 @@ class HybridEngine:
         self.num_syncs += 1
         return n
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, sync: bool = True) -> list[Rollout]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, sync: bool = True,
+                 reload_next: bool = False) -> list[Rollout]:
         """Sample ``params.n`` answers per prompt (token ids) with the current actor
         weights; log-probabilities are always returned. Rollouts come prompt by prompt,
-        ``n`` consecutive ones per prompt."""
+        ``n`` consecutive ones per prompt. ``reload_next``: the caller loads new weights
+        (a sync or a snapshot) before generating again, so the sleep after this generation
+        discards the serving weights instead of keeping them (see :meth:`sleep_level`)."""
         if sync:
             self.sync_weights()
         if params.logprobs is None:
@@ -177,7 +180,7 @@ class HybridEngine:
         try:
             outs = self.llm.generate(prompts, plist)
         finally:
-            self.llm.sleep()
+            self.llm.sleep(self.sleep_level(reload_next))
         self.times.generate += time.perf_counter() - t0
         rollouts = []
         for g, out in enumerate(outs):
@@ -188,6 +191,18 @@ class HybridEngine:
                 rollouts.append(Rollout(list(out.prompt_token_ids), list(c.token_ids), lps, c.text,
                                         c.finish_reason, g))
         return rollouts
+
+    def sleep_level(self, reload_next: bool) -> int:
+        """The serving engine's sleep level between rollouts. Level 1 keeps the weights: on an
+        accelerator it copies them to host memory and back at the next wake-up, which is two
+        whole-model transfers wasted when new weights overwrite them first (``reload_next``);
+        level 2 then discards them instead. On a CPU level 1 copies nothing and keeps the
+        packed kernels' layouts, so it stays."""
+        return 2 if reload_next and self.offloads_on_sleep() else 1
+
+    def offloads_on_sleep(self) -> bool:
+        """Whether sleeping at level 1 copies the serving weights out (an accelerator)."""
+        return self.llm.engine.runner.device.type != "cpu"
 
     def take_times(self) -> PhaseTimes:
         """The phase times accumulated so far, then reset."""

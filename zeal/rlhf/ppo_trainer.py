@@ -135,7 +135,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         pick = torch.randint(len(prompt_ids), (B * world,), generator=gen)[r * B:(r + 1) * B].tolist()
         params = SamplingParams(max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                 seed=sampling_seed(rc.seed, step) + r * B, logprobs=0)
-        rollouts = hybrid.generate([prompt_ids[i] for i in pick], params)
+        rollouts = hybrid.generate([prompt_ids[i] for i in pick], params, reload_next=True)  # next step syncs
         b = pack([r.prompt_ids for r in rollouts], [r.output_ids for r in rollouts], pol.pad_id,
                  [r.logprobs for r in rollouts])
         t0 = time.perf_counter()

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from zeal.dist.context import before_shutdown
 from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
 from zeal.train.hooks import check_hook, run_hooks
+from zeal.utils.timers import make_clock
 from zeal.zero import sharded_state as zss
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.optimizer import ZeroOptimizer
@@ -90,8 +90,8 @@ class TrainEngine:
         self._boundary_start = 0  # micro_steps at the last update
         self._boundary_override: bool | None = None
         self.global_samples = 0
-        self._times: dict[str, float] = defaultdict(float)
         self._timing = parts.config.wall_clock_breakdown
+        self._clock = make_clock(parts.mesh.device)  # CUDA events on CUDA (host calls only enqueue work)
         self.mesh = parts.mesh
         self.rank, self.world_size = parts.mesh.rank, parts.mesh.world_size
         self.device = parts.mesh.device
@@ -197,7 +197,7 @@ class TrainEngine:
         cast to the compute dtype). As DeepSpeed's engine, ``engine(*args, **kwargs)``
         calls ``model(*args, **kwargs)``; a lone positional batch is unpacked:
         a dict → ``model(**batch)``, a tuple or list → ``model(*batch)``."""
-        t0 = time.perf_counter()
+        t0 = self._mark()
         args, kwargs = self._to_device(args), self._to_device(kwargs)
         run = self._p.sequence_parallel or self.module  # under sp: this rank's chunk, the whole loss
         if len(args) == 1 and isinstance(args[0], dict):
@@ -216,16 +216,16 @@ class TrainEngine:
             loss = getattr(loss, "loss", None)
             if loss is None:
                 raise TypeError("engine.backward needs a loss tensor or an output with a .loss attribute")
-        t0 = time.perf_counter()
+        t0 = self._mark()
         p = self._p
         run_hooks(self._hooks, "before_backward", self.is_gradient_accumulation_boundary())
         scale = (p.scaler.scale if p.scaler else 1.0) / (p.grad_accum if scale_wrt_gas else 1)
         if self._print_every is not None and self.rank == 0:
             self._step_losses.append(loss.detach())
         (loss.float() * scale).backward(retain_graph=retain_graph)
-        t1 = time.perf_counter()
+        t1 = self._mark()
         run_hooks(self._hooks, "after_backward")
-        self._times["backward"] += t1 - t0 if self._timing else 0.0
+        self._tick("backward", t0, t1)
         self._tick("reduce", t1)
 
     def step(self) -> None:
@@ -237,7 +237,7 @@ class TrainEngine:
         if not boundary:
             return
         self._boundary_start = self.micro_steps
-        t0 = time.perf_counter()
+        t0 = self._mark()
         p = self._p
         applied = p.zero_optimizer.step()
         run_hooks(self._hooks, "after_step", applied)
@@ -286,17 +286,18 @@ class TrainEngine:
         gathered = 0
         home = p.coordinator.coll.home if p.coordinator is not None else None
         on_disk = home is not None and home.on_disk
+        off_device = home is not None and home.lends  # host memory or disk: no device bytes
         for u in p.units:
             if not u.trainable:
                 continue
             if u.partitioned:
-                params += (0 if on_disk else u.nbytes_shard()) + (u.padded * u.full.element_size() if u.persistent else 0)
+                params += (0 if off_device else u.nbytes_shard()) + (u.padded * u.full.element_size() if u.persistent else 0)
                 if u.gathered and not u.persistent:
                     gathered += u.padded * u.full.element_size()
             else:
                 params += u.padded * u.full.element_size()
         frozen = sum(
-            ((0 if on_disk else u.nbytes_shard()) if u.partitioned else u.padded * u.full.element_size())
+            ((0 if off_device else u.nbytes_shard()) if u.partitioned else u.padded * u.full.element_size())
             for u in p.units if not u.trainable
         )
         out = {
@@ -324,7 +325,7 @@ class TrainEngine:
     def wall_clock_breakdown(self) -> dict[str, float]:
         """Seconds spent in forward, backward, reduce (waiting for gradient
         collectives), step and gather (waiting for ZeRO-3 all-gathers), in total."""
-        out = dict(self._times)
+        out = self._clock.totals()
         if self._p.coordinator is not None:
             out["gather"] = self._p.coordinator.gather_time
         return out
@@ -442,6 +443,9 @@ class TrainEngine:
             return type(batch)(self._to_device(v) for v in batch)
         return batch
 
-    def _tick(self, name: str, t0: float) -> None:
+    def _mark(self) -> Any:
+        return self._clock.mark() if self._timing else None
+
+    def _tick(self, name: str, t0: Any, t1: Any = None) -> None:
         if self._timing:
-            self._times[name] += time.perf_counter() - t0
+            self._clock.add(name, t0, t1)

@@ -4,8 +4,9 @@
    for stage 3), in the compute dtype; values are made identical on every dp rank
    (broadcast from dp rank 0, or deterministic per-unit materialisation of meta
    parameters, so no rank ever holds the whole model in stage 3); stage-3 shards go to
-   their home (memory, or swap files under ``offload_param.device: nvme``, since shards
-   are written there as they are materialised);
+   their home (device memory; host memory under ``offload_param.device: cpu`` on an
+   accelerator; swap files under ``offload_param.device: nvme``), written there as they
+   are materialised, across the device boundary through a ``Staging``;
 2. gradient reduction (overlapped with backward) and, for stage 3, the parameter
    coordinator (gather/release/prefetch hooks), registered as step hooks.
 
@@ -29,8 +30,9 @@ from zeal.dist.comm import Comm
 from zeal.dist.mesh import Mesh
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.groups import CommGroup, RoutedCollectives, RoutedReducer, comm_of, group_index, split_groups
+from zeal.zero.offload.staging import Staging
 from zeal.zero.param_coordinator import ParamCoordinator
-from zeal.zero.shard_home import DiskShards, MemoryShards
+from zeal.zero.shard_home import DiskShards, HostShards, MemoryShards
 from zeal.zero.stages import ZeroStage, resolve_stage
 from zeal.zero.units import (
     FlatUnit,
@@ -50,7 +52,7 @@ class ZeroParts:
 
     stage: ZeroStage
     units: list[FlatUnit]
-    home: MemoryShards | DiskShards
+    home: MemoryShards | HostShards | DiskShards
     reducer: GradReducer | RoutedReducer
     coordinator: ParamCoordinator | None
     hooks: list[object]
@@ -101,19 +103,16 @@ class CoordinatorHooks:
 
 
 def check_offload_device(zc: ZeroConfig, device: torch.device) -> None:
-    """Refuse, in one line, the offload tiers that do not yet cross from an accelerator to the
-    host: parameters stay put under ``offload_param.device: cpu`` (it had no effect there), and
-    both NVMe tiers read and write host memory only. On a CPU device every tier is whole."""
-    if device.type == "cpu":
+    """Refuse, in one line, an offload tier on a device it does not cross from. Every tier
+    crosses between a CPU or CUDA device and the host through a
+    :class:`~zeal.zero.offload.staging.Staging` (pinned buffers and a copy stream on CUDA);
+    other accelerators are not wired (no pinning, no streams), so their offload is refused."""
+    if device.type in ("cpu", "cuda"):
         return
-    where = {"cpu": "parameters would stay on the device", "nvme": "its swap files read host memory only"}
-    op, oo = zc.offload_param.device, zc.offload_optimizer.device
-    if op in where:
-        raise ConfigError(f"config key 'zero_optimization.offload_param.device' {op!r} is not supported on "
-                          f"{device.type} yet ({where[op]}); use 'none', or offload_optimizer to the CPU")
-    if oo == "nvme":
-        raise ConfigError(f"config key 'zero_optimization.offload_optimizer.device' 'nvme' is not supported on "
-                          f"{device.type} yet ({where['nvme']}); use 'cpu'")
+    for key, sec in (("offload_param", zc.offload_param), ("offload_optimizer", zc.offload_optimizer)):
+        if sec.device != "none":
+            raise ConfigError(f"config key 'zero_optimization.{key}.device' {sec.device!r} is not supported on "
+                              f"{device.type} (offload crosses from cpu or cuda devices only); use 'none'")
 
 
 def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype, groups: list[list[nn.Parameter]],
@@ -125,7 +124,7 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
     check_offload_device(zc, mesh.device)
     comm = mesh.dp
     cgs = list(comm_groups or [])
-    home: MemoryShards | DiskShards = MemoryShards()
+    home: MemoryShards | HostShards | DiskShards = MemoryShards()
     needs = None
     with torch.no_grad():
         if not stage.partitions_params:
@@ -143,8 +142,12 @@ def apply_zero(model: nn.Module, zc: ZeroConfig, mesh: Mesh, dtype: torch.dtype,
                     u.comm = cgs[u.comm_group - 1].comm
             replace_meta_parameters(model, units)
             op = zc.offload_param
+            staging = Staging(mesh.device, op.pin_memory)
             if op.device == "nvme":  # ZeRO-Infinity: parameter shards live in swap files
-                home = DiskShards(units, rank_folder(op.nvme_path, mesh.rank), op.buffer_count, op.buffer_size)
+                home = DiskShards(units, rank_folder(op.nvme_path, mesh.rank), op.buffer_count, op.buffer_size,
+                                  staging)
+            elif op.device == "cpu" and staging.crosses:  # on a CPU device, memory is the host already
+                home = HostShards(staging)
             owners = _unit_owners(model, units)
             for u in units:  # one unit whole at a time
                 if u.needs_init:

@@ -356,6 +356,23 @@ def all_plans(shape: ModelShape, world_size: int, **kw) -> list[Plan]:
     return [plan(shape, world_size, s, o, **kw) for s, o in STAGE_OFFLOAD_ORDER]
 
 
+def implemented_on(p: Plan, device: str) -> bool:
+    """Whether zeal runs ``p``'s offload tiers on ``device`` ("cpu", "gpu"/"cuda", ...): the
+    check ``zeal.initialize`` makes (:func:`zeal.zero.apply.check_offload_device`), so
+    ``--budget`` never proposes a plan the target refuses."""
+    import torch
+
+    from zeal.config import ConfigError, load_config
+    from zeal.zero.apply import check_offload_device
+
+    zc = load_config({"zero_optimization": p.ds_config()["zero_optimization"]}).zero_optimization
+    try:
+        check_offload_device(zc, torch.device("cuda" if device == "gpu" else device))
+    except ConfigError:
+        return False
+    return True
+
+
 def micro_batch_choices(largest: int) -> list[int]:
     """``largest`` and the powers of two below it, largest first."""
     out = [largest]

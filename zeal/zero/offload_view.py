@@ -16,14 +16,13 @@ from collections.abc import Iterator
 
 import torch
 
-from zeal.zero.shard_home import DiskShards
 from zeal.zero.swapped_optimizer import SwappedZeroOptimizer
 from zeal.zero.units import FlatUnit
 
 
 @contextlib.contextmanager
 def in_memory(zopt: object, home: object, units: list[FlatUnit], writeback: bool) -> Iterator[None]:
-    disk_shards = isinstance(home, DiskShards)
+    disk_shards = bool(getattr(home, "lends", False))  # shards off the device (host memory or disk)
     swapped = isinstance(zopt, SwappedZeroOptimizer)
     if disk_shards:
         for u in units:

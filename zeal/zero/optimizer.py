@@ -24,6 +24,7 @@ from torch import nn
 from zeal.dist.comm import Comm
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
+from zeal.zero.offload.staging import Staging
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.stages import ZeroStage, resolve_stage
 from zeal.zero.units import FlatUnit
@@ -46,7 +47,7 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
         inv = 1.0 / scaler.scale
         for g in grads:
             g.mul_(inv)
-        bad = any(not torch.isfinite(g).all() for g in grads)
+        bad = not all_finite(grads)
         bad = comm.all_reduce_scalar(1.0 if bad else 0.0, "max") > 0
         if grad_norm is not None:
             bad = grad_norm.any(bad)
@@ -63,7 +64,7 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
                 part = grad_norm.sq([g if f else g.new_empty(0) for g, f in zip(grads, flags)])
                 sq = sq - part + over.all_reduce_scalar(part, "sum")
     else:
-        sqs = [float(torch.linalg.vector_norm(g, dtype=torch.float32)) ** 2 for g in grads]
+        sqs = squared_norms(grads)
         sq = sum(sqs)
         for flags, over in (spread or []) if not stage.norm_needs_reduce() else []:
             part = sum(s for s, f in zip(sqs, flags) if f)
@@ -79,6 +80,24 @@ def unscale_check_clip(grads: list[torch.Tensor], comm: Comm, stage: ZeroStage, 
             for g in grads:
                 g.mul_(coef)
     return True, norm
+
+
+def squared_norms(grads: list[torch.Tensor]) -> list[float]:
+    """Each tensor's squared norm (taken in fp32, squared in double) with one host sync for
+    all of them: the per-tensor norms are stacked on the device and read back once."""
+    if not grads:
+        return []
+    dev = grads[0].device
+    norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(dev) for g in grads])
+    return (norms.double() ** 2).tolist()
+
+
+def all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether no tensor holds an inf or NaN, with one host sync for all of them."""
+    if not grads:
+        return True
+    dev = grads[0].device
+    return bool(torch.stack([torch.isfinite(g).all().to(dev) for g in grads]).all())
 
 
 def spread_flags(opt: Any) -> list[tuple[list[bool], Comm]]:
@@ -103,8 +122,10 @@ class ZeroOptimizer:
     def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  inner: torch.optim.Optimizer, clip: float, scaler: LossScaler | None,
                  home: MemoryShards | DiskShards | None = None, master_device: torch.device | None = None,
-                 grad_norm: GradNorm | None = None) -> None:
+                 grad_norm: GradNorm | None = None, staging: Staging | None = None) -> None:
         self.units = [u for u in units if u.trainable]
+        # host masters across a device boundary (ZeRO-Offload on an accelerator, or forced)
+        self.staging = staging if staging is not None and master_device is not None and staging.crosses else None
         self.reducer, self.comm, self.stage = reducer, comm, resolve_stage(stage)
         self.clip, self.scaler = clip, scaler
         self.home = home or MemoryShards()
@@ -113,13 +134,17 @@ class ZeroOptimizer:
         for u in self.units:
             src = self.stage.model_slice(u, self.home)
             device = master_device or src.device
-            if u.dtype == torch.float32 and not self.home.on_disk and device == src.device:
+            if self.staging is not None:  # fp32 host masters (pinned when asked), downloaded below
+                m = nn.Parameter(self.staging.to_host(src, dtype=torch.float32), requires_grad=True)
+            elif u.dtype == torch.float32 and not self.home.lends and device == src.device:
                 m = nn.Parameter(src, requires_grad=True)  # shares storage with the model
             else:  # a separate fp32 master (mixed precision, or offloaded)
                 m = nn.Parameter(src.detach().to(device=device, dtype=torch.float32, copy=True), requires_grad=True)
             if self.stage.partitions_optimizer:
                 self.home.done(u)
             self.masters.append(m)
+        if self.staging is not None:
+            self.staging.wait_host()
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self.grad_norm = grad_norm
@@ -136,9 +161,7 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """One update from the reduced gradients. Returns False when the step was
         skipped for an fp16 overflow (on every rank alike)."""
-        for u, m in zip(self.units, self.masters):
-            g = self.reducer.reduced_grad(u)
-            m.grad = g.to(device=m.device, dtype=torch.float32)
+        self._take_grads()
         grads = [m.grad for m in self.masters]
         ok, self.last_grad_norm = unscale_check_clip(grads, self.comm, self.stage, self.scaler, self.clip,
                                                          self.grad_norm, self.across, spread_flags(self))
@@ -151,13 +174,25 @@ class ZeroOptimizer:
         self.write_back()
         return True
 
+    def _take_grads(self) -> None:
+        """The reduced gradients as the masters' fp32 grads; across a boundary, every unit's
+        download is issued first (they overlap), then one host wait, then the upcast on the host."""
+        if self.staging is None:
+            for u, m in zip(self.units, self.masters):
+                m.grad = self.reducer.reduced_grad(u).to(device=m.device, dtype=torch.float32)
+            return
+        hosts = [self.staging.to_host(self.reducer.reduced_grad(u), key=("grad", u.index)) for u in self.units]
+        self.staging.wait_host()
+        for m, h in zip(self.masters, hosts):
+            m.grad = h if h.dtype == torch.float32 else h.float()
+
     def _drop_grads(self) -> None:
         for m in self.masters:
             m.grad = None
 
     def write_back(self) -> None:
         """Put the masters' values into the model (every rank sees the new parameters)."""
-        self.stage.write_back(self.units, self.masters, self.comm, self.home)
+        self.stage.write_back(self.units, self.masters, self.comm, self.home, self.staging)
 
     def nbytes(self) -> int:
         """Persistent optimizer bytes: separate masters plus optimizer state tensors
@@ -165,7 +200,7 @@ class ZeroOptimizer:
         total = 0
         for u, m in zip(self.units, self.masters):
             src = u.shard if self.stage.partitions_optimizer else u.full
-            if m.data_ptr() != src.data_ptr() or self.home.on_disk:
+            if m.data_ptr() != src.data_ptr() or self.home.lends:
                 total += m.numel() * m.element_size()
             for v in self.optimizer.state.get(m, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zeal.utils.timers import make_clock
 from zeal.zero.external import ExternalReads, external_parameters
 from zeal.zero.units import FlatUnit
 from zeal.zero.zeropp import UnitCollectives
@@ -92,7 +92,7 @@ class ParamCoordinator:
         self._pos = 0
         self._valid = False
         self._keep_spans: dict[int, list[tuple[int, int]]] = {}  # unit -> (use, next use) to bridge
-        self.gather_time = 0.0
+        self._clock = make_clock(units[0].device if units else "cpu")  # CUDA events: the stall of the compute stream
         self.external_found: list[tuple[str, str]] = []  # (module, parameter) found reading outside its owner
         self._hooks = []
         for u in units:
@@ -141,6 +141,11 @@ class ParamCoordinator:
                     "is not gathered here): call engine.module_state_dict() on every rank, or call it "
                     "inside `with engine.gathered_parameters():`")
 
+    @property
+    def gather_time(self) -> float:
+        """Seconds compute waited for ZeRO-3 all-gathers (on CUDA: the compute stream's stall)."""
+        return self._clock.total("gather")
+
     # -- gathering ----------------------------------------------------------------------
     def _start_gather(self, u: FlatUnit) -> None:
         if u.gathered or u.index in self._inflight:
@@ -151,9 +156,9 @@ class ParamCoordinator:
     def _wait(self, u: FlatUnit) -> None:
         work = self._inflight.pop(u.index, None)
         if work is not None:
-            t0 = time.perf_counter()
+            t0 = self._clock.mark()
             work.wait()
-            self.gather_time += time.perf_counter() - t0
+            self._clock.add("gather", t0)
 
     def _gather_now(self, u: FlatUnit) -> None:
         self._start_gather(u)

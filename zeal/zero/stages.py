@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from zeal.dist.comm import Comm
+from zeal.zero.offload.staging import Staging
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
 
@@ -50,14 +51,20 @@ class ZeroStage:
 
     @torch.no_grad()
     def write_back(self, units: list[FlatUnit], masters: list[torch.Tensor], comm: Comm,
-                   home: MemoryShards | DiskShards) -> None:
-        """Put updated masters into the model so every rank sees the new values."""
+                   home: MemoryShards | DiskShards, staging: Staging | None = None) -> None:
+        """Put updated masters into the model so every rank sees the new values
+        (``staging``: the masters are host tensors across that boundary)."""
         for u, m in zip(units, masters):
             if self.partitions_params:
-                home.put(u, m)
+                if staging is not None:
+                    home.put_host(u, m, staging)
+                else:
+                    home.put(u, m)
                 continue
             dst = u.shard if self.partitions_optimizer else u.full
-            if m.data_ptr() != dst.data_ptr():  # fp32 masters may be the parameter storage
+            if staging is not None:
+                staging.upload(dst, m, key=("up", u.index))
+            elif m.data_ptr() != dst.data_ptr():  # fp32 masters may be the parameter storage
                 dst.copy_(m)
         if self.partitions_optimizer and not self.partitions_params:
             gather_replicated(comm, units)

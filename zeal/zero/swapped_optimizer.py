@@ -19,6 +19,7 @@ from zeal.dist.comm import Comm
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.grad_sync import GradReducer
 from zeal.zero.offload import CPUAdam, SwappedAdam, check_swap_path
+from zeal.zero.offload.staging import Staging
 from zeal.zero.offload.swap import OPTIMIZER_PATH_KEY
 from zeal.zero.optimizer import GradNorm, spread_flags, unscale_check_clip
 from zeal.zero.shard_home import DiskShards, MemoryShards
@@ -38,7 +39,7 @@ class SwappedZeroOptimizer:
     def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  opt_type: str, opt_params: dict, clip: float, scaler: LossScaler | None,
                  home: MemoryShards | DiskShards, nvme_path: str, sub_group_size: int, buffer_count: int,
-                 grad_norm: GradNorm | None = None) -> None:
+                 grad_norm: GradNorm | None = None, staging: Staging | None = None) -> None:
         if opt_type not in ("Adam", "AdamW"):
             raise ValueError(f"zero_optimization.offload_optimizer.device 'nvme' supports Adam and AdamW, "
                              f"not {opt_type!r}")
@@ -50,6 +51,8 @@ class SwappedZeroOptimizer:
         self.units = [u for u in units if u.trainable]
         self.reducer, self.comm, self.stage, self.home = reducer, comm, resolve_stage(stage), home
         self.clip, self.scaler = clip, scaler
+        # the device/host boundary (the swap files and the Adam step are on the host)
+        self.staging = staging or Staging(self.units[0].device if self.units else "cpu")
         self.offsets = []
         total = 0
         for u in self.units:
@@ -63,14 +66,16 @@ class SwappedZeroOptimizer:
         self.swapped = SwappedAdam(total, adam, nvme_path, sub_group_size=min(sub_group_size, max(total, 1)),
                                    buffer_count=buffer_count)
         for u, off in zip(self.units, self.offsets):  # initial masters: the current shards, in fp32
-            self.swapped.write_master(home.get(u).float(), off)
+            host = self.staging.to_host(home.get(u), dtype=torch.float32)
+            self.staging.wait_host()
+            self.swapped.write_master(host, off)
             home.done(u)
         self.optimizer = LrGroups(lr)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self.grad_norm = grad_norm  # see zeal.zero.optimizer.unscale_check_clip
         self.last_stats = None
-        self._staging: dict[int, torch.Tensor] = {}
+        self._pieces: dict[int, torch.Tensor] = {}  # a unit's updated values, gathered on the host
         self.masters: list[torch.Tensor] = []  # only inside load_into_memory()
 
     def step(self) -> bool:
@@ -81,8 +86,9 @@ class SwappedZeroOptimizer:
         if not ok:
             self.skipped_steps += 1
             return False
-        flat = self.reducer.flat_grads(self.units, grads)
-        self.last_stats = self.swapped.step(flat.to("cpu"), on_update=self._on_update,
+        flat = self.staging.to_host(self.reducer.flat_grads(self.units, grads), key="grads")
+        self.staging.wait_host()
+        self.last_stats = self.swapped.step(flat, on_update=self._on_update,
                                             lr=self.optimizer.param_groups[0]["lr"])
         if not self.stage.partitions_params:  # stages 1-2: rebuild the replicated units
             gather_replicated(self.comm, self.units)
@@ -97,15 +103,15 @@ class SwappedZeroOptimizer:
             if lo >= hi:
                 continue
             piece = chunk[lo - start:hi - start]
-            if not self.home.on_disk:
+            if not self.home.lends and not self.staging.crosses:
                 u.shard[lo - off:hi - off].copy_(piece)
                 continue
-            stage = self._staging.get(u.index)
-            if stage is None:
-                stage = self._staging[u.index] = torch.empty(u.shard_numel, dtype=u.dtype)
-            stage[lo - off:hi - off].copy_(piece)
+            host = self._pieces.get(u.index)
+            if host is None:  # the chunk is a reused swap buffer: gather the unit in its own host buffer
+                host = self._pieces[u.index] = self.staging.host_empty(u.shard_numel, u.dtype)
+            host[lo - off:hi - off].copy_(piece)
             if hi == off + u.shard_numel:  # the unit's last element: store it whole
-                self.home.put(u, self._staging.pop(u.index))
+                self.home.put_host(u, self._pieces.pop(u.index), self.staging)
 
     # -- whole-state access for checkpoints (see zeal.zero.offload_view) -------------------
     def load_into_memory(self) -> None:
@@ -143,7 +149,8 @@ class SwappedZeroOptimizer:
 
     def write_back(self) -> None:
         """Push the in-memory masters (inside load_into_memory) into the model's shards."""
-        self.stage.write_back(self.units, self.masters, self.comm, self.home)
+        self.stage.write_back(self.units, self.masters, self.comm, self.home,
+                              self.staging if self.staging.crosses else None)
 
     def nbytes(self) -> int:
         """Optimizer bytes held in memory: the swap buffer pool."""

@@ -12,10 +12,18 @@
 
 With every option off, these strategies are exactly the plain collectives, so the
 coordinator and reducer have a single code path.
+
+Streams: each gather (with its shard's upload from a host or disk home, and qwZ's
+quantization) is issued on a gather stream, each reduce-scatter (and qgZ's work) on a
+reduce stream, after those streams wait for the compute issued so far; the handle's
+``wait()`` makes the stream that calls it (the compute stream) wait on an event, so compute
+never waits for a collective it does not need and the host does not block. Off CUDA the
+streams are the identity (:mod:`zeal.utils.streams`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +32,7 @@ from zeal.config.schema import ZeroConfig
 from zeal.dist.comm import Comm, Done, all_gather_flat
 from zeal.dist.mesh import Mesh
 from zeal.dist.quant import dequantize_rows, quantize_rows, quantized_nbytes, quantized_reduce_scatter
+from zeal.utils.streams import current_stream, side_stream
 from zeal.zero.shard_home import DiskShards, MemoryShards
 from zeal.zero.units import FlatUnit
 
@@ -63,6 +72,19 @@ class Then:
         return True
 
 
+class OnStream:
+    """A handle for work issued on a side stream: ``wait()`` completes ``work`` for the
+    calling stream, then makes that stream wait for the side stream's event."""
+
+    def __init__(self, work, event, current: Callable[[], object]) -> None:
+        self.work, self.event, self.current = work, event, current
+
+    def wait(self):
+        out = self.work.wait()
+        self.current().wait_event(self.event)
+        return out
+
+
 @dataclass
 class UnitCollectives:
     """The stage-3 gather and gradient-reduce strategies (plain or ZeRO++)."""
@@ -72,15 +94,35 @@ class UnitCollectives:
     topo: Topology | None = None
     home: MemoryShards | DiskShards = field(default_factory=MemoryShards)
     secondary: dict[int, torch.Tensor] = field(default_factory=dict)
+    new_stream: Callable[[torch.device], object] = side_stream  # tests: a recording fake
+    current: Callable[[torch.device], object] = current_stream
+    streams: dict[str, object] = field(default_factory=dict)
 
     @property
     def hpz(self) -> bool:
         return self.topo is not None and self.zc.zero_hpz_partition_size > 1
 
+    def _on_stream(self, kind: str, issue: Callable[[], object], *tensors: torch.Tensor):
+        """Run ``issue`` on the ``kind`` stream after the compute issued so far; ``tensors``
+        (made on the compute stream) are kept until that stream's work is done."""
+        device = tensors[0].device
+        stream = self.streams.get(kind)
+        if stream is None:
+            stream = self.streams[kind] = self.new_stream(device)
+        stream.wait_stream(self.current(device))
+        with stream:
+            work = issue()
+        for t in tensors:
+            stream.keep(t)
+        return OnStream(work, stream.record_event(), lambda: self.current(device))
+
     def gather(self, u: FlatUnit, backward: bool):
-        """Start filling ``u.full`` (storage allocated) from the shards; returns a handle
-        whose ``wait()`` completes the gather (dequantize, keep the hpZ secondary, give
-        a swap buffer back), so prefetch overlaps every variant."""
+        """Start filling ``u.full`` (storage allocated) from the shards, on the gather stream;
+        returns a handle whose ``wait()`` completes the gather (dequantize, keep the hpZ
+        secondary, give a swap buffer back), so prefetch overlaps every variant."""
+        return self._on_stream("gather", lambda: self._gather(u, backward), u.full)
+
+    def _gather(self, u: FlatUnit, backward: bool):
         if backward and u.index in self.secondary:  # hpZ: inside the group only
             return self.topo.hpz.all_gather(u.full, self.secondary[u.index], "param", async_op=True)
         shard = self.home.get(u)
@@ -130,7 +172,10 @@ class UnitCollectives:
         self.secondary.clear()
 
     def reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor):
-        """``out`` gets the *sum* over ranks of this rank's chunk of ``flat``."""
+        """``out`` gets the *sum* over ranks of this rank's chunk of ``flat`` (on the reduce stream)."""
+        return self._on_stream("reduce", lambda: self._reduce_scatter(out, flat), out, flat)
+
+    def _reduce_scatter(self, out: torch.Tensor, flat: torch.Tensor):
         if not (self.zc.zero_quantized_gradients and self.world.active and self.topo is not None):
             return self.world.reduce_scatter(out, flat, "grad", async_op=True)
         bits, block = self.zc.zero_quantized_gradients_bits, self.zc.zero_quantization_block_size

@@ -3,6 +3,8 @@
 
 * ``none``: masters and moments beside the model (on the device), one slice per rank;
 * ``cpu`` (ZeRO-Offload): masters and moments in host memory, the step on the CPU;
+  gradients cross down and updated values back through a
+  :class:`~zeal.zero.offload.staging.Staging` (pinned when ``pin_memory``, on CUDA);
 * ``nvme`` (ZeRO-Infinity): masters and moments in swap files, streamed through a
   small buffer pool by zeal's own Adam/AdamW.
 
@@ -21,6 +23,7 @@ from zeal.config.schema import check_optimizer_params
 from zeal.dist.mesh import Mesh
 from zeal.precision.loss_scaler import LossScaler
 from zeal.zero.apply import ZeroParts, rank_folder
+from zeal.zero.offload.staging import Staging
 from zeal.zero.optimizer import GradNorm, ZeroOptimizer
 from zeal.zero.swapped_optimizer import SwappedZeroOptimizer
 from zeal.zero.units import FlatUnit
@@ -33,6 +36,7 @@ def apply_offload(cfg: Config, zero: ZeroParts, mesh: Mesh, optimizer: Any,
     ``grad_norm``: how this rank's squared gradient norm is taken (None: plain; tensor
     parallelism gives its own)."""
     oo = cfg.zero_optimization.offload_optimizer
+    staging = Staging(mesh.device, oo.pin_memory)  # the device/host boundary of the optimizer tiers
     if oo.device == "nvme":
         if optimizer is not None:
             raise ConfigError("zero_optimization.offload_optimizer.device 'nvme' builds its own Adam/AdamW "
@@ -44,13 +48,13 @@ def apply_offload(cfg: Config, zero: ZeroParts, mesh: Mesh, optimizer: Any,
                 zero.units, zero.reducer, mesh.dp, zero.stage, spec.type if spec else "AdamW",
                 dict(spec.params) if spec else {"lr": 1e-3}, cfg.gradient_clipping, scaler, zero.home,
                 rank_folder(oo.nvme_path, mesh.rank), cfg.zero_optimization.sub_group_size,
-                max(oo.buffer_count, 3), grad_norm)
+                max(oo.buffer_count, 3), grad_norm, staging)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     inner = inner_optimizer(cfg, optimizer, zero.units)
     master_device = torch.device("cpu") if oo.device == "cpu" else None
     zopt = ZeroOptimizer(zero.units, zero.reducer, mesh.dp, zero.stage, inner, cfg.gradient_clipping, scaler,
-                         zero.home, master_device, grad_norm)
+                         zero.home, master_device, grad_norm, staging if oo.device == "cpu" else None)
     zopt.bind(inner.param_groups)
     return zopt
 
