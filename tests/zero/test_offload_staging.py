@@ -231,5 +231,5 @@ def test_host_parameter_tier_checkpoint_resumes_exactly_on_two_ranks(tmp_path):
 
     for straight, resumed, first, plain in run_ranks(_resume_ranks, 2, str(tmp_path), timeout=140):
         for k in straight:
-            assert torch.equal(straight[k], resumed[k]), k
-            assert torch.equal(first[k], plain[k]), k
+            assert (straight[k] == resumed[k]).all(), k  # the harness returns numpy arrays
+            assert (first[k] == plain[k]).all(), k
