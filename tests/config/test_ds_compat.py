@@ -162,5 +162,5 @@ def test_sequence_parallel_size_and_llamafactory_section_are_read():
     assert load_config({"sequence_parallel": {"enabled": False, "size": 8}}).sequence_parallel_size == 1
     with pytest.raises(ConfigError, match="disagrees"):
         load_config({"sequence_parallel": {"size": 2}, "sequence_parallel_size": 4})
-    with pytest.raises(ConfigError, match="pipeline_parallel"):
-        load_config({"sequence_parallel_size": 2, "pipeline_parallel": {"size": 2}})
+    both = load_config({"sequence_parallel_size": 2, "pipeline_parallel": {"size": 2}})  # PP x SP composes
+    assert (both.sequence_parallel_size, both.pipeline_parallel.size) == (2, 2)

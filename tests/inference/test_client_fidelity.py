@@ -204,7 +204,7 @@ CASES = {
     "completion": ("/v1/completions", {"prompt": "ab", "max_tokens": 3}),
     "completion-logprobs-n": ("/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 2, "logprobs": 2,
                                                   "n": 2, "temperature": 1.0, "seed": 1}),
-    "chat": ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3}),
+    "chat": ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "temperature": 0}),  # whole = streamed
     "chat-logprobs-n": ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 3, "n": 2, "temperature": 1.0,
                                                  "seed": 2, "logprobs": True, "top_logprobs": 1}),
     "chat-forced-tool": ("/v1/chat/completions", {"messages": MSGS, "tools": [OPEN_TOOL], "tool_choice": "required",

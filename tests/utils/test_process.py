@@ -110,7 +110,7 @@ def test_process_settings_threads_and_environment_override(monkeypatch):
 def test_one_cache_folder(monkeypatch, tmp_path):
     from zeal.data.text_dataset import cache_dir as data_cache
     from zeal.inference import kernels
-    from zeal.inference.llm import cache_dir as llm_cache
+    from zeal.inference.loader import cache_dir as llm_cache
 
     monkeypatch.setenv("ZEAL_CACHE", str(tmp_path))
     assert cache_dir() == tmp_path and data_cache is cache_dir and llm_cache is cache_dir
