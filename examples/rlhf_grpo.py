@@ -3,7 +3,7 @@ SmolLM2-135M-Instruct, rewarded for answering sums correctly with the number alo
 from zeal's serving engine (a hybrid engine shares the weights with the trainer); each
 step prints the mean reward, the KL to the starting model and where the time went.
 
-    python examples/rlhf_grpo.py             # 10 steps of 2 prompts x 4 answers, ~2 min on 2 CPU cores
+    python examples/rlhf_grpo.py             # 10 steps of 2 prompts x 4 answers, ~2.5 min on 2 CPU cores
     python examples/rlhf_grpo.py --toy       # 1 step of 1 prompt x 2 short answers (what CI runs)
 
 The command-line equivalent on a built-in arithmetic task: ``zeal rlhf grpo --steps 20``
