@@ -313,9 +313,20 @@ def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", 
     slack = 0
     if host and stage < 3 and "nvme" not in offload:
         slack = min(HOST_HEAP_SLACK_BYTES, kept + transient + c * shape.num_params)
-    on_device = states.total
-    cpu = nvme = 0
-    if offload != "none":  # the optimizer step, and its temporaries, run where the optimizer state is
+    on_device, cpu, nvme = place_states(states, temps, offload)
+    working = max(kept + transient + buffers + gathered, (temps if offload == "none" else 0) + buffers)
+    device = baseline + slack + on_device + working
+    return Plan(stage, offload, states, gathered, kept + transient, device, cpu, nvme, micro_batch, checkpointing,
+                kept, buffers, temps, baseline, slack, shape.n_layer)
+
+
+def place_states(states: StateBytes, temps: int, offload: str, stay: int = 0) -> tuple[int, int, int]:
+    """``(device, cpu, nvme)`` bytes of the model states under ``offload``: the optimizer
+    state, and the step's temporaries, live where the optimizer steps; with ``cpu_params`` /
+    ``nvme_params`` the parameters move too, all but ``stay`` bytes of them (a quantized
+    LoRA base stays on the device)."""
+    on_device, cpu, nvme = states.total, 0, 0
+    if offload != "none":
         on_device -= states.optimizer
         cpu += temps
         if "nvme" in offload:
@@ -323,15 +334,13 @@ def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", 
         else:
             cpu += states.optimizer
     if offload in ("cpu_params", "nvme_params"):
-        on_device -= states.params
+        moved = states.params - stay
+        on_device -= moved
         if offload == "cpu_params":
-            cpu += states.params
+            cpu += moved
         else:
-            nvme += states.params
-    working = max(kept + transient + buffers + gathered, (temps if offload == "none" else 0) + buffers)
-    device = baseline + slack + on_device + working
-    return Plan(stage, offload, states, gathered, kept + transient, device, cpu, nvme, micro_batch, checkpointing,
-                kept, buffers, temps, baseline, slack, shape.n_layer)
+            nvme += moved
+    return on_device, cpu, nvme
 
 
 STAGE_OFFLOAD_ORDER = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "cpu_optimizer"),

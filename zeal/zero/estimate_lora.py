@@ -36,6 +36,7 @@ from zeal.zero.estimate import (
     gathered_bytes,
     grad_buffer_bytes,
     model_state_bytes,
+    place_states,
     shard,
     step_temporary_bytes,
 )
@@ -129,21 +130,8 @@ def lora_plan(shape: ModelShape, world_size: int, stage: int, offload: str, spec
     baseline = HOST_BASELINE_BYTES if host else 0
     slack = min(HOST_HEAP_SLACK_BYTES, kept + transient + c * trainable) if host and stage < 3 and "nvme" not in offload \
         else 0
-    on_device, cpu, nvme = states.total, 0, 0
-    if offload != "none":  # the adapters' optimizer step runs where their state is
-        on_device -= states.optimizer
-        cpu += temps
-        if "nvme" in offload:
-            nvme += states.optimizer
-        else:
-            cpu += states.optimizer
-    if offload in ("cpu_params", "nvme_params"):  # the partitioned parameters move (the quantized base stays)
-        moved = states.params - q_bytes
-        on_device -= moved
-        if offload == "cpu_params":
-            cpu += moved
-        else:
-            nvme += moved
+    # the adapters' optimizer step runs where their state is; the quantized base stays on the device
+    on_device, cpu, nvme = place_states(states, temps, offload, stay=q_bytes)
     working = max(kept + transient + buffers + gathered, (temps if offload == "none" else 0) + buffers)
     notes = [f"lora: {trainable:,} trainable, frozen base {frozen:,} B"
              + (f", {spec.quantize_base} base {q_bytes:,} B (replicated)" if quant else "")]
