@@ -141,8 +141,17 @@ class OffloadOptimizerConfig(Section):
     nvme_path: str | None = Field(None, description="Folder for swap files when device is nvme.")
     pin_memory: bool = Field(False, description="Use pinned host buffers (CUDA only).")
     buffer_count: int = Field(4, ge=2, description="Swap buffers in the pool.")
-    ratio: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description="Fraction of the optimizer step done on CPU.")
+    ratio: float = Field(1.0, gt=0, le=1, allow_inf_nan=False, description=(
+        "Partial offload (ZeRO-Offload++): the share of parameter units whose masters, moments and update live "
+        "on the CPU; the rest stay on the device. 1.0 = all. Device 'cpu' only."))
     fast_init: bool = Field(False, description="Accepted for compatibility; no effect.")
+
+    @model_validator(mode="after")
+    def _ratio_needs_cpu(self) -> OffloadOptimizerConfig:
+        if self.ratio < 1.0 and self.device == "nvme":
+            raise ValueError(f"ratio {self.ratio} < 1 (partial offload) needs device 'cpu'; the nvme tier "
+                             "swaps every unit's optimizer state")
+        return self
 
 
 class OffloadParamConfig(Section):

@@ -115,6 +115,15 @@ class GradNorm(Protocol):
     def any(self, flag: bool) -> bool: ...
 
 
+def hosted_units(n: int, ratio: float) -> list[bool]:
+    """Which of ``n`` units keep their optimizer in host memory under
+    ``offload_optimizer.ratio``: the last ``ratio`` share of them, counted as DeepSpeed's
+    partial offload counts its sub-groups (unit ``i`` is on the host when
+    ``i >= int((1 - ratio) * n)``); the others are updated beside the model."""
+    first = int((1.0 - ratio) * n) if ratio > 0 else n
+    return [i >= first for i in range(n)]
+
+
 class ZeroOptimizer:
     """Owns masters and the inner ``torch.optim`` optimizer (exposed as ``.optimizer``).
     ``grad_norm``: see :func:`unscale_check_clip` (None: the plain sum of squares)."""
@@ -122,8 +131,12 @@ class ZeroOptimizer:
     def __init__(self, units: list[FlatUnit], reducer: GradReducer, comm: Comm, stage: ZeroStage | int,
                  inner: torch.optim.Optimizer, clip: float, scaler: LossScaler | None,
                  home: MemoryShards | DiskShards | None = None, master_device: torch.device | None = None,
-                 grad_norm: GradNorm | None = None, staging: Staging | None = None) -> None:
+                 grad_norm: GradNorm | None = None, staging: Staging | None = None,
+                 offload_ratio: float = 1.0) -> None:
         self.units = [u for u in units if u.trainable]
+        # which units' masters and moments live in host memory (``master_device``): all of them,
+        # or the last ``offload_ratio`` share under partial offload (ZeRO-Offload++)
+        self.hosted = hosted_units(len(self.units), offload_ratio if master_device is not None else 0.0)
         # host masters across a device boundary (ZeRO-Offload on an accelerator, or forced)
         self.staging = staging if staging is not None and master_device is not None and staging.crosses else None
         self.reducer, self.comm, self.stage = reducer, comm, resolve_stage(stage)
@@ -131,10 +144,10 @@ class ZeroOptimizer:
         self.home = home or MemoryShards()
         self.optimizer = inner
         self.masters: list[nn.Parameter] = []
-        for u in self.units:
+        for u, hosted in zip(self.units, self.hosted):
             src = self.stage.model_slice(u, self.home)
-            device = master_device or src.device
-            if self.staging is not None:  # fp32 host masters (pinned when asked), downloaded below
+            device = (master_device if hosted else None) or src.device
+            if self.staging is not None and hosted:  # fp32 host masters (pinned when asked), downloaded below
                 m = nn.Parameter(self.staging.to_host(src, dtype=torch.float32), requires_grad=True)
             elif u.dtype == torch.float32 and not self.home.lends and device == src.device:
                 m = nn.Parameter(src, requires_grad=True)  # shares storage with the model
@@ -177,14 +190,18 @@ class ZeroOptimizer:
     def _take_grads(self) -> None:
         """The reduced gradients as the masters' fp32 grads; across a boundary, every unit's
         download is issued first (they overlap), then one host wait, then the upcast on the host."""
-        if self.staging is None:
-            for u, m in zip(self.units, self.masters):
-                m.grad = self.reducer.reduced_grad(u).to(device=m.device, dtype=torch.float32)
+        hosts = {}
+        for i, u in enumerate(self.units):
+            if self.staging is not None and self.hosted[i]:
+                hosts[i] = self.staging.to_host(self.reducer.reduced_grad(u), key=("grad", u.index))
+            else:
+                self.masters[i].grad = self.reducer.reduced_grad(u).to(device=self.masters[i].device,
+                                                                        dtype=torch.float32)
+        if not hosts:
             return
-        hosts = [self.staging.to_host(self.reducer.reduced_grad(u), key=("grad", u.index)) for u in self.units]
         self.staging.wait_host()
-        for m, h in zip(self.masters, hosts):
-            m.grad = h if h.dtype == torch.float32 else h.float()
+        for i, h in hosts.items():
+            self.masters[i].grad = h if h.dtype == torch.float32 else h.float()
 
     def _drop_grads(self) -> None:
         for m in self.masters:
@@ -192,7 +209,7 @@ class ZeroOptimizer:
 
     def write_back(self) -> None:
         """Put the masters' values into the model (every rank sees the new parameters)."""
-        self.stage.write_back(self.units, self.masters, self.comm, self.home, self.staging)
+        self.stage.write_back(self.units, self.masters, self.comm, self.home, self.staging, self.hosted)
 
     def nbytes(self) -> int:
         """Persistent optimizer bytes: separate masters plus optimizer state tensors

@@ -51,19 +51,22 @@ class ZeroStage:
 
     @torch.no_grad()
     def write_back(self, units: list[FlatUnit], masters: list[torch.Tensor], comm: Comm,
-                   home: MemoryShards | DiskShards, staging: Staging | None = None) -> None:
+                   home: MemoryShards | DiskShards, staging: Staging | None = None,
+                   hosted: list[bool] | None = None) -> None:
         """Put updated masters into the model so every rank sees the new values
-        (``staging``: the masters are host tensors across that boundary)."""
-        for u, m in zip(units, masters):
+        (``staging``: the masters are host tensors across that boundary; ``hosted``: only
+        those units' are, under partial offload)."""
+        for i, (u, m) in enumerate(zip(units, masters)):
+            crossing = staging if hosted is None or hosted[i] else None
             if self.partitions_params:
-                if staging is not None:
-                    home.put_host(u, m, staging)
+                if crossing is not None:
+                    home.put_host(u, m, crossing)
                 else:
                     home.put(u, m)
                 continue
             dst = u.shard if self.partitions_optimizer else u.full
-            if staging is not None:
-                staging.upload(dst, m, key=("up", u.index))
+            if crossing is not None:
+                crossing.upload(dst, m, key=("up", u.index))
             elif m.data_ptr() != dst.data_ptr():  # fp32 masters may be the parameter storage
                 dst.copy_(m)
         if self.partitions_optimizer and not self.partitions_params:

@@ -5,6 +5,8 @@
 * ``cpu`` (ZeRO-Offload): masters and moments in host memory, the step on the CPU;
   gradients cross down and updated values back through a
   :class:`~zeal.zero.offload.staging.Staging` (pinned when ``pin_memory``, on CUDA);
+  with ``ratio`` < 1 (ZeRO-Offload++) only the last ``ratio`` share of the units, the
+  others updated on the device;
 * ``nvme`` (ZeRO-Infinity): masters and moments in swap files, streamed through a
   small buffer pool by zeal's own Adam/AdamW.
 
@@ -54,7 +56,8 @@ def apply_offload(cfg: Config, zero: ZeroParts, mesh: Mesh, optimizer: Any,
     inner = inner_optimizer(cfg, optimizer, zero.units)
     master_device = torch.device("cpu") if oo.device == "cpu" else None
     zopt = ZeroOptimizer(zero.units, zero.reducer, mesh.dp, zero.stage, inner, cfg.gradient_clipping, scaler,
-                         zero.home, master_device, grad_norm, staging if oo.device == "cpu" else None)
+                         zero.home, master_device, grad_norm, staging if oo.device == "cpu" else None,
+                         offload_ratio=oo.ratio)
     zopt.bind(inner.param_groups)
     return zopt
 
