@@ -180,6 +180,9 @@ def stage_train_correct(dry: bool) -> dict:
             "device": "nvme", "nvme_path": nvme}, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}, 1e-5),
         "stage3_bf16_offload_optimizer_cpu": (base | {"bf16": {"enabled": True}, "zero_optimization": {
             "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}, 3e-2),
+        # ZeRO-Offload++: half the units' optimizer on the host, the rest on the device
+        "stage3_offload_optimizer_cpu_ratio_0.5": (base | {"zero_optimization": {"stage": 3, "offload_optimizer": {
+            "device": "cpu", "pin_memory": True, "ratio": 0.5}}}, 1e-5),
     }
     if dry:  # the CPU has no device/host boundary: run the staging path anyway, as on the GPU
         from zeal.zero.offload import staging
