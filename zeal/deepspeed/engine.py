@@ -49,7 +49,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, nn.Module):
         object.__setattr__(self, "engine", engine)  # not a submodule: its module is ours
         self.module = engine.module
         self.monitor = Monitor()
-        self.tput_timer = ThroughputTimer(engine.train_batch_size())
+        self.tput_timer = ThroughputTimer(self.train_batch_size())
         self._applied = False
         if engine.config.zero_optimization.stage == 3:
             from zeal.deepspeed.zero import mark_partitioned
@@ -125,7 +125,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, nn.Module):
         schedule). ``lr_kwargs`` is refused when given (zeal's schedules take no arguments)."""
         if lr_kwargs:
             raise Refused("DeepSpeedEngine.step(lr_kwargs=...)", "zeal's lr schedules step without arguments")
-        before, boundary = self.engine.skipped_steps, self.engine.is_gradient_accumulation_boundary()
+        before, boundary = self.engine.skipped_steps, self.engine.at_boundary
         self.engine.step()
         if boundary:
             self._applied = self.engine.skipped_steps == before
@@ -251,7 +251,7 @@ class DeepSpeedEngine(DeepSpeedAccessors, nn.Module):
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         if self.global_rank != 0:
             return None
-        dtype = self.engine._p.compute_dtype
+        dtype = self.engine.compute_dtype
         params = {n for n, _ in self.module.named_parameters()}
         return OrderedDict((k, v.to(dtype) if k in params and v.is_floating_point() else v) for k, v in state.items())
 
@@ -259,7 +259,9 @@ class DeepSpeedEngine(DeepSpeedAccessors, nn.Module):
                          exclude_frozen_parameters: bool = False) -> bool:
         """Write the whole model in the compute dtype to ``save_dir/save_filename`` from rank 0
         (``.safetensors``: safetensors); every rank calls it."""
-        return self.engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+        from zeal.deepspeed.saving import save_16bit
+
+        return save_16bit(self.engine, save_dir, save_filename, exclude_frozen_parameters)
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """DeepSpeed's older name of :meth:`save_16bit_model`."""

@@ -110,6 +110,51 @@ class DeepSpeedAccessors:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be >= 1")
         self.engine._p.micro_batch = micro_batch_size
 
+    # the batch, the step and the schedule, in DeepSpeed's names (zeal's engine: micro_batch,
+    # grad_accum, at_boundary, set_boundary, grad_norm, zero_stage, token_drop)
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per rank per forward."""
+        return self.engine.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.engine.grad_accum
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.engine.micro_batch * self.engine.grad_accum * self.engine.mesh.data_size
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage."""
+        return self.engine.zero_stage
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step ends the accumulation (then ``step`` updates)."""
+        return self.engine.at_boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """The current micro-step (until ``step``) ends the accumulation, or does not,
+        whatever ``gradient_accumulation_steps`` says; the loss is then the caller's to scale."""
+        self.engine.set_boundary(is_boundary)
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the (unscaled, unclipped) mean gradient at the last step."""
+        return self.engine.grad_norm
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every param group."""
+        return [g["lr"] for g in self.engine.optimizer.param_groups]
+
+    @property
+    def random_ltd_scheduler(self) -> Any:
+        """random-LTD's schedule and state (``state``, ``get_current_seq()``; zeal's
+        :class:`zeal.data.random_ltd.TokenDrop`, ``engine.token_drop``), None when it is off."""
+        return self.engine.token_drop
+
+    def random_ltd_enabled(self) -> bool:
+        """Whether random-LTD is on."""
+        return self.engine.token_drop is not None
+
     def fp16_enabled(self) -> bool:
         return self.engine.config.fp16.enabled
 
