@@ -173,6 +173,85 @@ def test_an_upward_import_fails(tmp_path):
     assert crossings(pkg) == {("zeal.zero.apply", "zeal.train.engine"): ["zeal/zero/apply.py:4"]}
 
 
+# -- no import cycles between zeal modules ---------------------------------------------------
+# A cycle hides a dependency direction (which module is the lower one?) even inside a package,
+# and a lazy import only hides it from the interpreter. Every import counts, as above; the
+# cycles of today are listed with the way out, and the list may only shrink.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {
+    frozenset({"zeal.lora.apply", "zeal.lora.layer", "zeal.lora.tp"}):
+        "the LoRA layer's tp variants and apply dispatch on each other; out: a lora/kinds.py both import",
+    frozenset({"zeal.zero.estimate", "zeal.zero.estimate_lora"}):
+        "the LoRA planner reuses the dense planner and is offered by it; out: the caller picks the planner",
+    frozenset({"zeal.deepspeed.runtime.zero.partition_parameters", "zeal.deepspeed.zero"}):
+        "DeepSpeed's module path re-exports the facade's zero.Init, which names it; out: one defining module",
+    frozenset({"zeal.parallel.sequence", "zeal.parallel.sequence_pipe"}):
+        "the pipeline variant of Ulysses and the plain one refer to each other; out: a shared core module",
+}
+
+
+@functools.cache
+def module_edges(module: str, root: Path) -> frozenset[str]:
+    """The zeal modules ``module`` imports anywhere in its file (lazy ones, ``TYPE_CHECKING``
+    and a package's ``__getattr__`` included): ``from P import n`` names ``P.n`` when that is
+    a module, else ``P``."""
+    path = _source(module, root)
+    if path is None:
+        return frozenset()
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_pkg else module.split(".")[:-1]
+                pkg = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                pkg = node.module or ""
+            out |= {f"{pkg}.{a.name}" if _source(f"{pkg}.{a.name}", root) else pkg for a in node.names}
+    return frozenset(m for m in out if (m == "zeal" or m.startswith("zeal.")) and m != module
+                     and _source(m, root) is not None)
+
+
+def import_cycles(root: Path = ROOT) -> set[frozenset[str]]:
+    """The groups of zeal modules that import each other, directly or round a circle."""
+    mods = [_module_name(p, root) for p in sorted(root.rglob("*.py"))]
+    reach: dict[str, set[str]] = {}
+    for m in mods:
+        seen, todo = set(), [m]
+        while todo:
+            for t in module_edges(todo.pop(), root):
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        reach[m] = seen
+    return {frozenset({m} | {o for o in reach[m] if m in reach.get(o, ())}) for m in mods if m in reach[m]}
+
+
+def test_no_new_import_cycle():
+    new = sorted(sorted(c) for c in import_cycles() - set(ALLOWED_CYCLES))
+    assert not new, ("zeal modules that import each other (lazy imports included); move what both need "
+                     "into a module below them:\n" + "\n".join(" <-> ".join(c) for c in new))
+
+
+def test_allowed_cycles_only_shrink():
+    stale = [sorted(c) for c in set(ALLOWED_CYCLES) - import_cycles()]
+    assert not stale, f"these cycles are gone: remove them from ALLOWED_CYCLES: {stale}"
+
+
+def test_a_lazy_cycle_inside_a_package_fails(tmp_path):
+    """The old models/hf.py <-> models/llama.py shape: a module-level import one way, a lazy
+    one back (the scanner can fail), and a third module that only imports one of them."""
+    pkg = tmp_path / "zeal" / "models"
+    pkg.mkdir(parents=True)
+    (tmp_path / "zeal" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from zeal.models.llama import Llama\n")
+    (pkg / "hf.py").write_text("from zeal.models.llama import Llama\n")
+    (pkg / "llama.py").write_text("class Llama:\n    def load(self):\n        from zeal.models import hf\n")
+    (pkg / "gpt.py").write_text("from . import llama\n")
+    assert import_cycles(tmp_path / "zeal") == {frozenset({"zeal.models.hf", "zeal.models.llama"})}
+
+
 # -- the models rule ---------------------------------------------------------------------------
 # DESIGN: the model stays a plain single-device nn.Module; tensor/pipeline parallelism, ZeRO,
 # compression and the MoE apply-step are applied to it from above (policies, loaders and

@@ -142,3 +142,35 @@ def test_train_section_flags_come_from_the_job_tree(capsys, tmp_path):
     missing = [f"--{s}.{p}" for s in JOB_SECTIONS for p, _ in leaves(JobSpec.model_fields[s].annotation)
                if f"--{s}.{p}" not in out]
     assert not missing, missing
+
+
+def test_train_engine_flags_come_from_the_engine_config(capsys, tmp_path):
+    """`zeal train` has one flag per leaf of the engine's Config under DeepSpeed's key names
+    (--zero_optimization.stage), parsed by argparse (not left over as extras); the old
+    spellings (--engine.<key>, dashes, keys below a mapping leaf) stay dotted overrides, and
+    the named flags keep their meaning."""
+    from zeal.cli.config_flags import leaves
+    from zeal.cli.main import build_parser, main
+    from zeal.cli.train import build_spec
+
+    parser, _ = build_parser("train")
+    args, extra = parser.parse_known_args([
+        "train", "--zero-stage", "1", "--zero_optimization.stage", "2", "--gradient_clipping", "0.5",
+        "--zero_optimization.offload_optimizer.device", "cpu", "--bf16.enabled", "false",
+        "--optimizer.params.weight_decay", "0.1", "--engine.steps_per_print", "7", "--wall-clock-breakdown",
+        "--flops-profiler.enabled", "true", "--run-dir", str(tmp_path / "r")])
+    assert extra == ["--optimizer.params.weight_decay", "0.1", "--engine.steps_per_print", "7",
+                     "--flops-profiler.enabled", "true"]
+    eng = build_spec(args, extra).engine
+    assert eng["zero_optimization"]["stage"] == 2  # the derived flag after the named --zero-stage, as before
+    assert eng["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and eng["gradient_clipping"] == 0.5
+    assert eng["optimizer"]["params"]["weight_decay"] == 0.1 and eng["steps_per_print"] == 7
+    assert eng["wall_clock_breakdown"] is True and eng["flops_profiler"]["enabled"] is True
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    named = {"seed"}  # the named --seed sets the engine's seed and the data's
+    paths = [p for p, _ in leaves(Config) if p not in named]
+    assert len(paths) >= 140 and not [p for p in paths if f"--{p} " not in out and f"--{p}\n" not in out]
+    with pytest.raises(ValueError, match="config key .gradient_clipping.: Input should be greater than or equal to 0"):
+        build_spec(*parser.parse_known_args(["train", "--gradient_clipping", "-1", "--run-dir", str(tmp_path / "s")]))

@@ -79,7 +79,7 @@ def test_consumed_layer_tokens_counted_once_under_activation_checkpointing():
         for _ in range(2):
             engine.backward(engine(ids, labels=ids))
             engine.step()
-        counts.append(engine.random_ltd_scheduler.state["consumed_layer_tokens"])
+        counts.append(engine.token_drop.state["consumed_layer_tokens"])
         draws.append(len(engine.token_drop.record))
         engine.close()
     assert draws == [4, 8]  # 2 layers × 2 steps; recomputed in backward under checkpointing
@@ -133,7 +133,7 @@ def test_convert_on_an_engine_without_random_ltd_and_the_state_dict_helper():
     torch.manual_seed(0)
     engine = zeal.initialize(_Awkward(), {"train_micro_batch_size_per_gpu": 2,
                                           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    assert not engine.random_ltd_enabled() and engine.random_ltd_scheduler is None
+    assert engine.token_drop is None
     with pytest.raises(ValueError, match="random_ltd.enabled"):
         convert_to_random_ltd(engine, _Block)
     engine.close()

@@ -153,7 +153,7 @@ def test_clipping_is_max_norm_over_norm_plus_1e_6():
                                    "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
     eng.backward(torch.nn.functional.mse_loss(eng(x), y))
     eng.step()
-    assert eng.get_global_grad_norm() == pytest.approx(norm, rel=1e-6)
+    assert eng.grad_norm == pytest.approx(norm, rel=1e-6)
     for (_, p), q in zip(eng.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), (q - coef * q.grad).detach(), rtol=1e-6, atol=1e-7)
 

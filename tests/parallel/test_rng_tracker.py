@@ -92,7 +92,7 @@ def _train(kind: str, ckpt: bool) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        norms.append(engine.get_global_grad_norm())
+        norms.append(engine.grad_norm)
     state = engine.module_state_dict()
     engine.close()
     return {"losses": losses, "norms": norms, "state": state}

@@ -43,7 +43,7 @@ def _train(rank: int, world: int, names: list[str]) -> dict:
         losses, norms = [], []
         for s in range(STEPS):
             losses.append(float(engine.train_batch(iter([(x[s, m, d], labels[s, m, d]) for m in range(M)]))))
-            norms.append(engine.get_global_grad_norm())
+            norms.append(engine.grad_norm)
         chunks = engine.stage.chunks
         out[name] = (losses, norms, chunks, engine.comm_stats()["total"]["by_dim"].get("pp", {}).get("bytes", 0))
         engine.close()

@@ -115,7 +115,7 @@ def _train(rank: int, world: int, pp: int, runs: list[tuple[str, str]]):
         for s in range(STEPS):
             it = iter([(x[s, m, d], labels[s, m, d]) for m in range(M)])
             losses.append(float(engine.train_batch(it)))
-            norms.append(engine.get_global_grad_norm())
+            norms.append(engine.grad_norm)
         out[f"{name}/{schedule}"] = (losses, norms, engine.comm_stats()["total"]["by_dim"].get("pp", {}))
     return out
 

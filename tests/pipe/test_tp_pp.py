@@ -38,7 +38,7 @@ def _train_tp_pp(rank: int, world: int, names: list[str]) -> dict:
         losses, norms = [], []
         for s in range(STEPS):
             losses.append(float(engine.train_batch(iter([(x[s, m, 0], x[s, m, 0]) for m in range(M)]))))
-            norms.append(engine.get_global_grad_norm())
+            norms.append(engine.grad_norm)
         total = engine.comm_stats()["total"]
         by_dim, vocab_bytes = total["by_dim"], total["by_kind"].get("vocab", {}).get("bytes", 0)
         out[name] = (losses, norms, by_dim.get("pp", {}).get("bytes", 0), by_dim.get("tp", {}).get("bytes", 0),

@@ -72,7 +72,7 @@ def _train_all_stages(rank: int, world: int, stages: list[int], bf16: bool, bloc
                 t = loss.detach().float().clone()
                 dist.all_reduce(t)
                 losses.append(t.item() / world)
-            norms.append(engine.get_global_grad_norm())
+            norms.append(engine.grad_norm)
         out[stage] = (losses, norms, engine.module_state_dict())
     return out
 

@@ -1,7 +1,8 @@
 """Command-line flags derived from a config section: one flag per leaf field of a pydantic
 section, its type, choices, default and help taken from the field, so each default is
-stated once, in ``zeal/config/``. ``zeal serve`` (:class:`~zeal.config.inference.InferenceConfig`)
-and ``zeal rlhf`` (:class:`~zeal.config.rlhf.RLHFConfig`) build their flags here.
+stated once, in ``zeal/config/``. ``zeal serve`` (:class:`~zeal.config.inference.InferenceConfig`),
+``zeal rlhf`` (:class:`~zeal.config.rlhf.RLHFConfig`) and ``zeal train`` (the job's sections
+and the engine's :class:`~zeal.config.schema.Config`) build their flags here.
 
 A flag's name is ``--`` and the leaf's name with ``-`` for ``_``, unless ``names`` says
 otherwise (``path -> (flag, scale of the value given on the command line)``); a switch
@@ -122,13 +123,15 @@ def argv_of(args: argparse.Namespace, model: type[BaseModel], names: Names | Non
     return out
 
 
-def add_dotted_flags(p: argparse.ArgumentParser, model: type[BaseModel], section: str,
-                     value_type: typing.Callable[[str], Any] = str) -> None:
+def add_dotted_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel], section: str,
+                     value_type: typing.Callable[[str], Any] = str, *, bare: bool = False) -> None:
     """``--<section>.<leaf>`` for every leaf of ``model`` (dest: the same dotted path), each
-    taking one value parsed by ``value_type``, its help and default from the field. A flag the
-    parser already has is left as it is."""
+    taking one value parsed by ``value_type``, its help and default from the field. ``bare``:
+    the flag is ``--<leaf>`` alone (a tree whose keys are known names of their own, as
+    DeepSpeed's engine keys are), the dest still ``<section>.<leaf>``. A flag the parser
+    already has is left as it is."""
     for path, info in leaves(model):
-        flag = f"--{section}.{path}"
+        flag = f"--{path}" if bare else f"--{section}.{path}"
         if flag in p._option_string_actions:
             continue
         desc = (info.description or "").rstrip(".")

@@ -2,8 +2,9 @@
 
 Precedence, lowest first: the default job, ``--config`` (DeepSpeed JSON/YAML: engine
 keys go to the engine, ``model``/``data``/``job``/``process`` sections go to the job), the named
-flags, then dotted overrides (``--model.n_layer 8``, ``--job.eval_interval 50``,
-``--zero_optimization.stage 2``, ``--optimizer.params.lr 1e-3``). With more than one
+flags, then the flags derived from the config tree (``--model.n_layer 8``,
+``--job.eval_interval 50``; engine keys under DeepSpeed's names: ``--zero_optimization.stage 2``,
+``--gradient_clipping 1.0``) and dotted overrides below a mapping (``--optimizer.params.lr 1e-3``). With more than one
 process and no torch.distributed environment, the command prepares the data once
 and re-executes itself under ``python -m torch.distributed.run --standalone``.
 """
@@ -26,6 +27,8 @@ EXAMPLES = """examples:
   zeal train                                   the default job (GPT from scratch, 2 processes, ZeRO-3)
   zeal train --steps 100 --zero-stage 2 --nproc 4
   zeal train --config ds_config.json --model.n_layer 8
+  zeal train --zero_optimization.offload_optimizer.device cpu --gradient_clipping 0.5
+                                               engine keys by DeepSpeed's names (one flag per config leaf)
   zeal train --checkpoint-activations          recompute each block in backward (less activation memory)
   zeal train --resume                          continue from the latest checkpoint in the run folder
   zeal train --model ./my-hf-model --data notes.jsonl --steps 50   fine-tune a Hugging Face folder
@@ -75,14 +78,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _add_section_flags(p: argparse.ArgumentParser) -> None:
     """``--model.n_layer 8``, ``--job.eval_interval 50``...: one flag per leaf of the job's
-    sections, derived from the config tree (zeal.config.job: type, default, help); values are
-    read as dotted overrides are. Engine keys stay dotted overrides of DeepSpeed's tree."""
+    sections; ``--zero_optimization.stage 2``, ``--gradient_clipping 1.0``...: one per leaf
+    of the engine's config under DeepSpeed's key names. All derived from the config tree
+    (zeal.config: type, default, help); values are read as dotted overrides are. A key
+    below a leaf that holds a mapping (``--optimizer.params.lr 1e-3``), a dashed spelling and
+    ``--engine.<key>`` stay dotted overrides."""
     from zeal.cli.config_flags import add_dotted_flags
     from zeal.cli.overrides import parse_value
     from zeal.config.job import JobSpec
+    from zeal.config.schema import Config
 
     for section in JOB_SECTIONS:
         add_dotted_flags(p, JobSpec.model_fields[section].annotation, section, parse_value)
+    engine = p.add_argument_group("engine config keys (DeepSpeed's names; the named flags above set some of them)")
+    add_dotted_flags(engine, Config, "engine", parse_value, bare=True)
 
 
 def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
@@ -138,6 +147,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         from zeal.cli.lora_flag import parse_lora_flag
 
         tree["engine"]["lora"] = {**(tree["engine"].get("lora") or {}), **parse_lora_flag(args.lora)}
+    # the derived engine flags (--zero_optimization.stage 2), then the dotted overrides, as before
+    for path, value in dotted_values(args, Config, "engine"):
+        set_path(tree, path, value)
     engine_keys = set(Config.model_fields)
     for path, value in parse_dotted(extra):
         if path[0] in JOB_SECTIONS or path[0] == "engine":

@@ -9,10 +9,8 @@ import time
 # zeal engine attributes readable on the facade as they are (DeepSpeed has the same names)
 _DELEGATED = frozenset({
     "optimizer", "lr_scheduler", "global_steps", "global_samples", "micro_steps", "skipped_steps", "mesh",
-    "get_global_grad_norm", "is_gradient_accumulation_boundary", "set_gradient_accumulation_boundary",
-    "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size", "get_lr",
-    "zero_optimization_stage", "random_ltd_enabled", "random_ltd_scheduler", "sharded_state", "gathered_parameters",
-    "iter_gathered_parameters", "comm_stats", "is_first_stage", "is_last_stage", "tensor_parallel", "close",
+    "sharded_state", "gathered_parameters", "iter_gathered_parameters", "comm_stats", "is_first_stage",
+    "is_last_stage", "tensor_parallel", "close",
 })
 
 _REASONS = {

@@ -69,3 +69,27 @@ def load_keeping_rng(engine: Any, load_dir: str, tag: Any, load_optimizer_states
                                     load_module_only=load_module_only)
     set_rng_state(keep)
     return os.path.join(load_dir, tags[0] if tags else str(tag)), client
+
+
+def save_16bit(engine: Any, save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
+    """Write the whole model's state dict (zeal's ``engine.module_state_dict()``) in the
+    compute dtype (fp32 when training in fp32) to ``save_dir/save_filename`` from rank 0 — a
+    ``.safetensors`` name writes safetensors, any other ``torch.save`` (as DeepSpeed's
+    ``save_16bit_model``). Every rank calls it (at stage 3 the parameters are gathered)."""
+    import torch
+
+    state = engine.module_state_dict()
+    if exclude_frozen_parameters:
+        frozen = {n for n, q in engine.module.named_parameters() if not q.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    state = {k: v.to(engine.compute_dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if engine.mesh.rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, save_filename)
+        if save_filename.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in state.items()}, path)
+        else:
+            torch.save(state, path)
+    return True

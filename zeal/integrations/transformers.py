@@ -74,6 +74,11 @@ class _EngineOptimizer:
         """Optimizer state is restored by the engine's checkpoint."""
 
 
+def _lrs(engine: Any) -> list[float]:
+    """The learning rate of every param group of zeal's ``engine``."""
+    return [g["lr"] for g in engine.optimizer.param_groups]
+
+
 class _EngineScheduler:
     """What ``Trainer`` holds as its LR scheduler: ``get_last_lr`` reports the lr of the
     engine's last update; ``step`` does nothing (the engine owns the schedule)."""
@@ -82,7 +87,7 @@ class _EngineScheduler:
         self.trainer = trainer
 
     def get_last_lr(self) -> list[float]:
-        return self.trainer._zeal_last_lr or list(self.trainer.zeal_engine.get_lr())
+        return self.trainer._zeal_last_lr or _lrs(self.trainer.zeal_engine)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """The engine's scheduler has already stepped."""
@@ -189,19 +194,19 @@ class ZealTrainer(Trainer):
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
         # Trainer ends an epoch's last accumulation early (fewer micro-batches); follow it.
-        engine.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+        engine.set_boundary(self.accelerator.sync_gradients)
         engine.backward(loss, scale_wrt_gas=False)
-        if engine.is_gradient_accumulation_boundary():
-            self._zeal_last_lr = list(engine.get_lr())
+        if engine.at_boundary:
+            self._zeal_last_lr = _lrs(engine)
         engine.step()
         return loss.detach()
 
     def _clip_grad_norm(self, model: Any) -> Any:
         """The engine clips (``gradient_clipping``); report its pre-clip norm."""
-        return self.zeal_engine.get_global_grad_norm()
+        return self.zeal_engine.grad_norm
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
-        norm = self.zeal_engine.get_global_grad_norm()
+        norm = self.zeal_engine.grad_norm
         return float(norm) if norm is not None else None
 
     # -- saving and resuming -------------------------------------------------------------

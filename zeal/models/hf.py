@@ -22,36 +22,26 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from zeal.models.gpt import GPT, GPTConfig
-from zeal.models.hf_moe import MOE_TYPES, moe_config, moe_state_from_hf
-from zeal.models.llama import Llama, LlamaConfig
+from zeal.models.hf_folder import (  # the folder core, re-exported under their old names here
+    LLAMA_LIKE,
+    HFSkeleton,
+    StateTransform,
+    is_llama_like,
+    llama_skeleton,
+    load_skeleton,
+    save_llama_folder,
+)
+from zeal.models.hf_folder import read_safetensors_folder as read_safetensors_folder
+from zeal.models.llama import Llama
 from zeal.utils.paths import cache_dir
-
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "smollm"}
-
-
-def read_safetensors_folder(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of a folder, single file or sharded (``model.safetensors.index.json``)."""
-    p = Path(path)
-    index = p / "model.safetensors.index.json"
-    if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            out.update(load_file(str(p / shard)))
-        return out
-    single = p / "model.safetensors"
-    if not single.exists():
-        raise FileNotFoundError(f"{p} has neither model.safetensors nor model.safetensors.index.json")
-    return load_file(str(single))
 
 
 def gpt2_config_from_hf(d: dict) -> GPTConfig:
@@ -84,44 +74,8 @@ def _gpt2_tensor(name: str, t: torch.Tensor | None) -> list[tuple[str, torch.Ten
     return [(name, t)]
 
 
-def _llama_tensor(name: str, t: torch.Tensor | None) -> list[tuple[str, torch.Tensor | None]]:
-    return [] if name.endswith("rotary_emb.inv_freq") else [(name, t)]
-
-
-@dataclass
-class HFSkeleton:
-    """A HF folder's model built on the meta device, its config, how a checkpoint tensor
-    becomes the model's (``convert(name, tensor)`` → ``[(model name, tensor)]``; with
-    ``tensor=None`` only the names), the embedding a tied head takes, and a rewrite of the
-    whole state that must come first (Mixtral's experts), if any."""
-
-    model: nn.Module
-    config: dict
-    convert: Callable[[str, torch.Tensor | None], list[tuple[str, torch.Tensor | None]]]
-    embedding: str
-    tied: bool
-    whole: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None  # a whole-state rewrite first
-
-    def finish(self, state: dict[str, torch.Tensor], streamed: frozenset[str] = frozenset()) -> nn.Module:
-        """Load ``state`` (the model's names; a missing or tied head takes the embedding),
-        rebuild the buffers, tie the head; the model in eval mode. ``streamed`` names
-        parameters left out of ``state`` on purpose (a weight streamer binds them)."""
-        if self.tied or "lm_head.weight" not in state:
-            state["lm_head.weight"] = state[self.embedding]
-        model = self.model
-        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-        if unexpected or set(missing) - streamed:
-            raise ValueError(f"checkpoint does not match the model: missing {sorted(set(missing) - streamed)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
-        if isinstance(model, Llama):  # buffers are not in the checkpoint; rebuild on CPU
-            from zeal.models.llama import rope_inv_freq
-
-            model.inv_freq = rope_inv_freq(model.config)
-            if model.config.tie_word_embeddings:
-                model.lm_head.weight = model.model.embed_tokens.weight
-        elif isinstance(model, GPT):
-            model.lm_head.weight = model.transformer.wte.weight
-        return model.eval()
+def _gpt2_retie(model: nn.Module) -> None:
+    model.lm_head.weight = model.transformer.wte.weight
 
 
 def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
@@ -133,19 +87,10 @@ def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
     if mt == "gpt2":
         with torch.device("meta"):
             model: nn.Module = GPT(gpt2_config_from_hf(cfg))
-        return HFSkeleton(model, cfg, _gpt2_tensor, "transformer.wte.weight", True)
-    if mt in MOE_TYPES or mt in LLAMA_LIKE or "num_key_value_heads" in cfg or "intermediate_size" in cfg:
-        lcfg = moe_config(cfg) if mt in MOE_TYPES else LlamaConfig.from_hf(cfg)
-        with torch.device("meta"):
-            model = Llama(lcfg)
-        return HFSkeleton(model, cfg, _llama_tensor, "model.embed_tokens.weight", lcfg.tie_word_embeddings,
-                          moe_state_from_hf if mt in MOE_TYPES else None)
+        return HFSkeleton(model, cfg, _gpt2_tensor, "transformer.wte.weight", True, retie=_gpt2_retie)
+    if is_llama_like(cfg):
+        return llama_skeleton(Llama, cfg)
     raise ValueError(f"model_type {mt!r} is not supported (supported: gpt2, {', '.join(sorted(LLAMA_LIKE))})")
-
-
-# A reader of a stored weight format: (the folder's tensors, its config.json) -> plain tensors
-# under the folder's names (e.g. zeal.compression.export.decompress_state for compressed-tensors).
-StateTransform = Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
 
 
 def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -156,20 +101,7 @@ def load_hf_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     handed in by the layer that owns it (model code reads plain tensors only). A
     compressed-tensors folder needs one (serving passes
     :func:`zeal.compression.export.decompress_state`); without it, it is refused."""
-    sk = hf_skeleton(path)
-    # fresh, aligned storage: safetensors hands out views at arbitrary byte offsets,
-    # which BLAS kernels run markedly slower on
-    raw = read_safetensors_folder(path)
-    if state_transform is not None:
-        raw = state_transform(raw, sk.config)
-    elif (sk.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
-        raise ValueError(f"{path} holds compressed-tensors weights: load it with zeal.LLM, zeal serve or "
-                         "zeal.inference.llm.load_model_and_tokenizer, or pass "
-                         "state_transform=zeal.compression.export.decompress_state")
-    if sk.whole is not None:
-        raw = sk.whole(raw)
-    state = {name: t.to(dtype=dtype, copy=True) for key, v in raw.items() for name, t in sk.convert(key, v)}
-    return sk.finish(state), sk.config
+    return load_skeleton(hf_skeleton(path), path, dtype, state_transform)
 
 
 def save_hf_folder(model: Llama, path: str | os.PathLike) -> Path:
@@ -180,27 +112,7 @@ def save_hf_folder(model: Llama, path: str | os.PathLike) -> Path:
     if not isinstance(model, Llama):
         raise TypeError(f"save_hf_folder exports zeal's Llama, got {type(model).__name__} "
                         "(zeal's GPT exports through `zeal checkpoint export`)")
-    out = Path(path)
-    cfg = model.config.to_hf()
-    sd = model.state_dict()
-    if model.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    # own, contiguous storage per tensor: safetensors refuses shared or strided views
-    sd = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
-    cfg["torch_dtype"] = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return save_llama_folder(model, path)
 
 
 # ---------------------------------------------------------------- GGUF

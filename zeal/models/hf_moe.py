@@ -29,7 +29,7 @@ import re
 
 import torch
 
-from zeal.models.llama import LlamaConfig
+from zeal.models.llama_config import LlamaConfig
 
 MOE_TYPES = {"mixtral", "qwen2_moe", "olmoe"}
 _EXPERTS = "mlp.moe.deepspeed_moe.experts.deepspeed_experts"

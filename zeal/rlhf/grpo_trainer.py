@@ -295,8 +295,8 @@ def _train_on(engine, ref, rollouts: list[Rollout], rewards: torch.Tensor, pad_i
             return answer_logprobs(model, b.ids[s], s0, ent)
     mask = _loss_mask(rollouts, mask, rc)
     n = len(rollouts)
-    mb = engine.train_micro_batch_size_per_gpu()
-    gas = engine.gradient_accumulation_steps()
+    mb = engine.micro_batch
+    gas = engine.grad_accum
     chunks = [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
     if len(chunks) % gas:
         raise ValueError(f"grpo: {n} rollouts make {len(chunks)} micro-batches of {mb}, not a multiple of "

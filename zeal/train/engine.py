@@ -117,7 +117,9 @@ class TrainEngine:
             return
         run_hooks(self._hooks, "close")
 
-    # -- properties users expect -------------------------------------------------------
+    # -- what the engine is set to, and where it is --------------------------------------
+    # (DeepSpeed's names for these — get_lr(), train_batch_size(), ... — are the facade's:
+    # zeal.deepspeed.engine_accessors)
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._p.zero_optimizer.optimizer
@@ -126,60 +128,49 @@ class TrainEngine:
     def zero_stage(self) -> int:
         return self.config.zero_optimization.stage
 
-    def zero_optimization_stage(self) -> int:
-        """The ZeRO stage (DeepSpeed's accessor)."""
-        return self.zero_stage
-
-    def gradient_accumulation_steps(self) -> int:
-        """Micro-batches per optimizer step."""
-        return self._p.grad_accum
-
-    def train_micro_batch_size_per_gpu(self) -> int:
+    @property
+    def micro_batch(self) -> int:
         """Samples per rank per forward."""
         return self._p.micro_batch
 
-    def train_batch_size(self) -> int:
-        """Samples per optimizer step over all data-parallel ranks."""
-        return self._p.micro_batch * self._p.grad_accum * self.mesh.data_size
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self._p.grad_accum
 
     @property
-    def random_ltd_scheduler(self) -> Any:
-        """random-LTD's schedule and state (``state``, ``get_current_seq()``; a
-        :class:`zeal.data.random_ltd.TokenDrop`), None when it is off (DeepSpeed's name)."""
-        return getattr(self, "token_drop", None)
-
-    def random_ltd_enabled(self) -> bool:
-        """Whether random-LTD is on (DeepSpeed's accessor)."""
-        return self.random_ltd_scheduler is not None
-
-    def get_lr(self) -> list[float]:
-        """The learning rate of every param group."""
-        return [g["lr"] for g in self.optimizer.param_groups]
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model runs in (floating point inputs are cast to it)."""
+        return self._p.compute_dtype
 
     @property
     def skipped_steps(self) -> int:
+        """Optimizer steps skipped (an fp16 overflow)."""
         return self._p.zero_optimizer.skipped_steps
 
     @property
     def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without one)."""
         return self._p.scaler.scale if self._p.scaler else 1.0
 
-    def is_gradient_accumulation_boundary(self) -> bool:
+    @property
+    def grad_norm(self) -> float | None:
+        """Norm of the (unscaled, unclipped) mean gradient at the last step."""
+        return self._p.zero_optimizer.last_grad_norm
+
+    @property
+    def at_boundary(self) -> bool:
         """Whether the current micro-step ends the accumulation (then ``step`` updates)."""
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps - self._boundary_start + 1) % self._p.grad_accum == 0
 
-    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """DeepSpeed's override of the count: the current micro-step (until ``step``) ends
-        the accumulation, or does not, whatever ``gradient_accumulation_steps`` says — for
-        loops whose last accumulation of an epoch is shorter (Hugging Face's Trainer).
-        Call it before ``backward``; the loss is then the caller's to scale."""
+    def set_boundary(self, is_boundary: bool) -> None:
+        """Override the count: the current micro-step (until ``step``) ends the
+        accumulation, or does not, whatever ``grad_accum`` says — for loops whose last
+        accumulation of an epoch is shorter (Hugging Face's Trainer). Call it before
+        ``backward``; the loss is then the caller's to scale."""
         self._boundary_override = bool(is_boundary)
-
-    def get_global_grad_norm(self) -> float | None:
-        """Norm of the (unscaled, unclipped) mean gradient at the last step."""
-        return self._p.zero_optimizer.last_grad_norm
 
     def train(self, mode: bool = True) -> TrainEngine:
         self.module.train(mode)
@@ -218,7 +209,7 @@ class TrainEngine:
                 raise TypeError("engine.backward needs a loss tensor or an output with a .loss attribute")
         t0 = self._mark()
         p = self._p
-        run_hooks(self._hooks, "before_backward", self.is_gradient_accumulation_boundary())
+        run_hooks(self._hooks, "before_backward", self.at_boundary)
         scale = (p.scaler.scale if p.scaler else 1.0) / (p.grad_accum if scale_wrt_gas else 1)
         if self._print_every is not None and self.rank == 0:
             self._step_losses.append(loss.detach())
@@ -230,7 +221,7 @@ class TrainEngine:
 
     def step(self) -> None:
         """Count the micro-step; at the accumulation boundary update the model."""
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary = self.at_boundary
         self._boundary_override = None
         self.micro_steps += 1
         self.global_samples += self._p.micro_batch * self.mesh.data_size
@@ -251,10 +242,6 @@ class TrainEngine:
                 self._report_progress()
             self._step_losses.clear()
 
-    def get_mom(self) -> list[Any]:
-        """Every param group's momentum: Adam's ``betas``, else SGD's ``momentum`` (DeepSpeed's accessor)."""
-        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
-
     def _report_progress(self) -> None:
         """DeepSpeed's two progress lines, on rank 0 every ``steps_per_print`` steps:
         ``[Rank 0] step=S, skipped=K, lr=[...], mom=[...]`` and ``steps: S loss: L iter time
@@ -263,8 +250,10 @@ class TrainEngine:
         now = time.perf_counter()
         iter_time = (now - self._print_t0) / self._print_every
         self._print_t0 = now
-        print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={self.get_lr()}, "
-              f"mom={self.get_mom()}", flush=True)
+        groups = self.optimizer.param_groups
+        lr = [g["lr"] for g in groups]
+        mom = [g["betas"] if "betas" in g else g.get("momentum") for g in groups]  # Adam's betas, else SGD's
+        print(f"[Rank 0] step={self.global_steps}, skipped={self.skipped_steps}, lr={lr}, mom={mom}", flush=True)
         if self._step_losses:
             loss = float(torch.stack([x.float() for x in self._step_losses]).mean())
             samples = self._p.micro_batch * self._p.grad_accum * self.mesh.data_size
@@ -366,31 +355,6 @@ class TrainEngine:
 
             state = gather_experts(self.mesh.ep, state, self.module)
         return state
-
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """Write the whole model's state dict in the compute dtype (fp16/bf16; fp32 when
-        training in fp32) to ``save_dir/save_filename`` from rank 0 — a ``.safetensors``
-        name writes safetensors, any other ``torch.save``. Every rank must call it (at
-        stage 3 the parameters are gathered; no config flag is needed)."""
-        import os
-
-        state = self.module_state_dict()
-        if exclude_frozen_parameters:
-            frozen = {n for n, q in self.module.named_parameters() if not q.requires_grad}
-            state = {k: v for k, v in state.items() if k not in frozen}
-        dtype = self._p.compute_dtype
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        if self.rank == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
-
-                save_file({k: v.contiguous() for k, v in state.items()}, path)
-            else:
-                torch.save(state, path)
-        return True
 
     def save_adapter(self, path: str) -> str:
         """Write the LoRA adapter as a PEFT folder (``adapter_config.json`` +

@@ -427,7 +427,7 @@ def _current_lr(engine: Any) -> float:
 
 def _grad_norm(engine: Any) -> float:
     try:
-        g = engine.get_global_grad_norm()
+        g = engine.grad_norm
     except Exception:  # noqa: BLE001 - optional figure
         return math.nan
     return math.nan if g is None else float(g)
