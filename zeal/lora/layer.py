@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeal.dist.regions import copy_to_tp, reduce_from_tp
 from zeal.lora.quant import dequantize, quantize
 
-__all__ = ["LoraFactor", "LoraLinear"]
+__all__ = ["LoraFactor", "LoraLinear", "lora_a_tp"]
 
 
 class LoraFactor(nn.Module):
@@ -140,14 +141,10 @@ class LoraLinear(nn.Linear):
         if self.adapter_enabled:
             if self.tp_mode is None:
                 u = self.lora_A(self.lora_dropout(x))  # (..., r)
-            else:  # the low-rank activation combined over tp (zeal.lora.tp)
-                from zeal.lora.tp import lora_a_tp
-
+            else:  # the low-rank activation combined over tp (see zeal.lora.tp)
                 u = lora_a_tp(self, x)
             y_lora = self.lora_B(u) * self.scaling
         if self.tp_mode == "row":
-            from zeal.parallel.tensor import reduce_from_tp
-
             y = reduce_from_tp(y, self.tp_comm)
         if self.adapter_enabled:
             y = y + y_lora
@@ -156,3 +153,24 @@ class LoraLinear(nn.Linear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
                 f"scaling={self.scaling:g}, quant={self.quant}")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # noqa: D102
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # noqa: D102
+        return g * ctx.factor, None
+
+
+def lora_a_tp(mod: LoraLinear, x: torch.Tensor) -> torch.Tensor:
+    """``u = A x`` of a tp-split adapter, combined over tp (the math: :mod:`zeal.lora.tp`):
+    a row-split ``A`` all-reduces its partial ``u``; a column-split base all-reduces ``u``'s
+    gradient in backward, ``x``'s share of it scaled by ``1/T``."""
+    if mod.tp_mode == "row":
+        return reduce_from_tp(mod.lora_A(mod.lora_dropout(x)), mod.tp_comm)
+    x = _ScaleGrad.apply(x, 1.0 / mod.tp_comm.size)
+    return copy_to_tp(mod.lora_A(mod.lora_dropout(x)), mod.tp_comm)

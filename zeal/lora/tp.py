@@ -22,29 +22,10 @@ import torch
 from torch import nn
 
 from zeal.lora.apply import LoraState
-from zeal.lora.layer import LoraLinear
-from zeal.parallel.tensor import Split, TensorParallel, copy_to_tp, reduce_from_tp
+from zeal.lora.layer import lora_a_tp as lora_a_tp  # the layer's tp forward (it lives with the layer)
+from zeal.parallel.tensor import Split, TensorParallel
 
 __all__ = ["lora_a_tp", "split_lora_for_tp"]
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:  # noqa: D102
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):  # noqa: D102
-        return g * ctx.factor, None
-
-
-def lora_a_tp(mod: LoraLinear, x: torch.Tensor) -> torch.Tensor:
-    """``u = A x`` of a tp-split adapter, combined over tp as the module docstring says."""
-    if mod.tp_mode == "row":
-        return reduce_from_tp(mod.lora_A(mod.lora_dropout(x)), mod.tp_comm)
-    x = _ScaleGrad.apply(x, 1.0 / mod.tp_comm.size)
-    return copy_to_tp(mod.lora_A(mod.lora_dropout(x)), mod.tp_comm)
 
 
 def _slice(p: nn.Parameter, dim: int, like: Split, size: int, rank: int) -> Split:
