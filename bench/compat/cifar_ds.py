@@ -2,7 +2,13 @@
 the small CNN, ``deepspeed.initialize(training_data=...)`` with its loader, Adam with
 weight decay, WarmupLR, gradient clipping; synthetic CIFAR-shaped data.
 
-    torchrun --nproc_per_node N cifar_ds.py --stage S [--steps 20] [--dtype fp32|bf16]"""
+    torchrun --nproc_per_node N cifar_ds.py --stage S [--steps 20] [--dtype fp32|bf16]
+        [--dynamic-batching] [--offload-states]
+
+The last two are what DeepSpeedExamples' ``data_efficiency/variable_batch_size_and_lr``
+and ``offload_states`` do, which zeal refuses by design: DeepSpeed's
+``data_efficiency.data_sampling.dynamic_batching`` section, and ``engine.offload_states()``
+/ ``reload_states()`` between steps (zeal's offload is configured, not toggled)."""
 
 from __future__ import annotations
 
@@ -70,7 +76,12 @@ def ds_config(args) -> dict:
         "zero_optimization": {"stage": args.stage, "allgather_partitions": True, "reduce_scatter": True,
                               "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000,
                               "overlap_comm": True, "contiguous_gradients": True},
-    }
+    } | ({"data_efficiency": {"enabled": True, "seed": 0, "data_sampling": {
+        "enabled": True, "num_workers": 0,
+        "dynamic_batching": {"enabled": True, "lr_scaling_method": "linear", "min_batch_size": 1,
+                             "max_batch_size": 8, "sequence_picking_order": "dataloader",
+                             "max_tokens": 8 * 3 * 32 * 32, "samples_per_batch": 8,
+                             "verbose": False}}}} if args.dynamic_batching else {})
 
 
 def main() -> None:
@@ -85,6 +96,8 @@ def main() -> None:
     p.add_argument("--ep-world-size", type=int, default=1)
     p.add_argument("--top-k", type=int, default=1)
     p.add_argument("--min-capacity", type=int, default=0)
+    p.add_argument("--dynamic-batching", action="store_true")
+    p.add_argument("--offload-states", action="store_true")
     p.add_argument("--local_rank", type=int, default=-1)
     args = p.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -107,6 +120,9 @@ def main() -> None:
             if micro % args.accum == 0:
                 rec.step(loss.item())
                 step += 1
+                if args.offload_states and step == args.steps // 2:  # as offload_states.py between steps
+                    engine.offload_states()
+                    engine.reload_states()
                 if step >= args.steps:
                     break
     rec.finish()

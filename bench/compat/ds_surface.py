@@ -1,12 +1,16 @@
 """How much of DeepSpeed's public surface zeal's ``deepspeed`` has: implemented / refused / missing.
 
 DeepSpeed's names are in ``zeal/deepspeed/ds_0_19_8_names.json``: the public names of
-``dir(deepspeed)`` and of ``dir(deepspeed.DeepSpeedEngine)`` for DeepSpeed 0.19.8, read
-from its source (``--from-sdist deepspeed-0.19.8.tar.gz`` regenerates the file: ``pip
-download --no-deps deepspeed==0.19.8``; nothing is installed or imported). The engine's
-names are DeepSpeed's own methods and properties plus those it inherits from
-``torch.nn.Module``; the top-level names are what ``deepspeed/__init__.py`` defines and
-imports from DeepSpeed, and its subpackages.
+``dir(deepspeed)`` and of ``dir(deepspeed.DeepSpeedEngine)`` for DeepSpeed 0.19.8.
+``--from-installed``, run with DeepSpeed's own Python (``DS_ACCELERATOR=cpu
+/work/peers/ds/bin/python bench/compat/ds_surface.py --from-installed``), regenerates the
+file from DeepSpeed's ``dir()`` after ``import deepspeed``; ``--from-sdist
+deepspeed-0.19.8.tar.gz`` reads the same from its source without installing it. Of
+``dir(deepspeed)`` the names that are DeepSpeed's count (its modules, classes, functions
+and values); what ``deepspeed/__init__.py`` merely imports from elsewhere (``torch``,
+``os``, ``typing.Optional``, ``torch.optim.Optimizer``) does not. The engine's names are
+split into those ``torch.nn.Module`` has too (inherited or overridden: ``train``,
+``forward``, ...) and DeepSpeed's own.
 
 For each name, zeal's side (``zeal.deepspeed`` / ``zeal.deepspeed.DeepSpeedEngine``):
 **implemented** (a real attribute), **refused** (it raises one line naming the DeepSpeed
@@ -71,6 +75,41 @@ def names_from_sdist(sdist: str) -> dict:
             "engine_from_nn_module": sorted(module_names)}
 
 
+def names_from_installed() -> dict:
+    """DeepSpeed's top-level and engine public names from ``dir()`` of the installed
+    DeepSpeed (run with DeepSpeed's Python; zeal is not imported)."""
+    import os
+    import types
+    import typing
+
+    import deepspeed
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def deepspeeds(name: str, obj: object) -> bool:
+        if isinstance(obj, types.ModuleType):
+            return obj.__name__.startswith("deepspeed")
+        if hasattr(typing, name) and obj is getattr(typing, name):  # `from typing import Optional`
+            return False
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)):  # where it is defined
+            return str(getattr(obj, "__module__", "") or "").startswith("deepspeed")
+        return True  # a value deepspeed/__init__.py sets (version, a constant, logger, a type alias)
+
+    top = [n for n in dir(deepspeed) if _public(n) and deepspeeds(n, getattr(deepspeed, n))]
+    module_names = {n for n in dir(torch.nn.Module) if _public(n)}
+    engine = {n for n in dir(DeepSpeedEngine) if _public(n)}
+    root = Path(deepspeed.__file__).parent
+    modules = {("deepspeed/" + str(p.relative_to(root)))[:-3].removesuffix("/__init__").replace(os.sep, ".")
+               .replace("/", ".") for p in root.rglob("*.py")}
+    return {"deepspeed_version": deepspeed.__version__,
+            "source": "dir(deepspeed) and dir(deepspeed.runtime.engine.DeepSpeedEngine) of the installed DeepSpeed "
+                      "(DS_ACCELERATOR=cpu), public names; top level: DeepSpeed's own modules, classes, functions "
+                      "and values; engine names torch.nn.Module also has listed apart; modules: every "
+                      "deepspeed/**/*.py as a dotted name",
+            "top_level": sorted(top), "modules": sorted(modules),
+            "engine": sorted(engine - module_names), "engine_from_nn_module": sorted(engine & module_names)}
+
+
 def classify(obj: object, name: str) -> str:
     """implemented / refused / missing for ``getattr(obj, name)`` (a module's names; the
     engine's are classified by ``DeepSpeedEngine.surface``, which also knows the names
@@ -104,11 +143,17 @@ def count(names: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--from-sdist", help="regenerate the names file from DeepSpeed's sdist")
+    ap.add_argument("--from-installed", action="store_true",
+                    help="regenerate the names file from the installed DeepSpeed's dir() (DeepSpeed's Python)")
     ap.add_argument("--list", action="store_true", help="list the names in each class")
     args = ap.parse_args(argv)
-    if args.from_sdist:
-        NAMES.write_text(json.dumps(names_from_sdist(args.from_sdist), indent=1) + "\n")
-        print(f"wrote {NAMES}")
+    if args.from_sdist or args.from_installed:
+        names = names_from_installed() if args.from_installed else names_from_sdist(args.from_sdist)
+        NAMES.write_text(json.dumps(names, indent=1) + "\n")
+        print(f"wrote {NAMES}: {len(names['top_level'])} top-level, {len(names['engine'])} engine, "
+              f"{len(names['engine_from_nn_module'])} engine names nn.Module has too")
+        if args.from_installed:
+            return 0  # counted with zeal's Python
     names = json.loads(NAMES.read_text())
     result = count(names)
     print(f"DeepSpeed {names['deepspeed_version']} public names on zeal.deepspeed")

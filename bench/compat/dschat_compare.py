@@ -12,6 +12,12 @@ per-step losses (``--print_loss``), step 2's per-step evaluated chosen scores
 (``--eval_interval 1``), step 3's actor / critic losses (PPO with
 ``--enable_hybrid_engine``). DS-Chat accepts only ``--dtype fp16|bf16``; the runs are bf16.
 
+DeepSpeed 0.19.8's hybrid engine has no CPU kernels, so its step 3 with
+``--enable_hybrid_engine`` fails here. ``--ds-no-hybrid`` runs DeepSpeed's step 3 without the
+flag (generation through the model's own ``generate``, as DS-Chat does then) while zeal's keeps
+it, and ``--step3-from ds`` starts both sides' step 3 from DeepSpeed's step-1/2 models, so the
+PPO losses of the two can be compared.
+
 Two things outside DeepSpeed are needed on both sides: ``datasets`` and ``tensorboard``
 (DS-Chat imports them; ``--zeal-site`` is a folder with them for zeal's side), and a
 transformers-5 shim that the harness writes as ``DIR/dschat/__init__.py`` (DS-Chat imports
@@ -84,7 +90,8 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
             (dst / f.name).write_bytes(f.read_bytes())
 
 
-def step_args(step: int, model: Path, work: Path, side: str, ranks: int, stage: int) -> tuple[str, list[str]]:
+def step_args(step: int, model: Path, work: Path, side: str, ranks: int, stage: int, hybrid: bool = True,
+              step3_from: str = "own") -> tuple[str, list[str]]:
     common = ["--data_path", "local/jsonfile", "--data_split", "2,4,4", "--seed", "1234", "--dtype", "bf16",
               "--num_train_epochs", "1", "--lr_scheduler_type", "cosine", "--num_warmup_steps", "0",
               "--gradient_accumulation_steps", "1"]
@@ -97,13 +104,15 @@ def step_args(step: int, model: Path, work: Path, side: str, ranks: int, stage: 
                         "--weight_decay", "0.1", "--zero_stage", str(stage), *extra,
                         "--output_dir", str(work / f"step{step}-{tag}"),
                         "--data_output_path", str(work / f"data{step}-{tag}")]
+    src = tag if step3_from == "own" else f"{step3_from}-r{ranks}-z{stage}"
     return "step3_rlhf_finetuning", [
-        *common, "--actor_model_name_or_path", str(work / f"step1-{tag}"),
-        "--critic_model_name_or_path", str(work / f"step2-{tag}"), "--num_padding_at_beginning", "1",
+        *common, "--actor_model_name_or_path", str(work / f"step1-{src}"),
+        "--critic_model_name_or_path", str(work / f"step2-{src}"), "--num_padding_at_beginning", "1",
         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
         "--generation_batches", "1", "--ppo_epochs", "1", "--max_answer_seq_len", "16", "--max_prompt_seq_len", "16",
         "--actor_learning_rate", "1e-4", "--critic_learning_rate", "1e-4", "--actor_zero_stage", str(stage),
-        "--critic_zero_stage", str(stage), "--enable_hybrid_engine", "--output_dir", str(work / f"step3-{tag}"),
+        "--critic_zero_stage", str(stage), *(["--enable_hybrid_engine"] if hybrid else []),
+        "--output_dir", str(work / f"step3-{tag}"),
         "--data_output_path", str(work / f"data3-{tag}")]
 
 
@@ -122,7 +131,8 @@ def figures(step: int, text: str) -> list[float]:
 
 
 def run_side(side: str, step: int, args: argparse.Namespace, model: Path, work: Path, ranks: int) -> tuple[list, float]:
-    folder, script_args = step_args(step, model, work, side, ranks, args.stage)
+    folder, script_args = step_args(step, model, work, side, ranks, args.stage,
+                                    hybrid=not (side == "ds" and args.ds_no_hybrid), step3_from=args.step3_from)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     port = str(29500 + random.randint(0, 999))
     if side == "ds":
@@ -160,6 +170,10 @@ def main() -> None:
     ap.add_argument("--zeal-site", default="", help="a folder with datasets and tensorboard for zeal's side")
     ap.add_argument("--timeout", type=int, default=1500)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ds-no-hybrid", action="store_true",
+                    help="DeepSpeed's step 3 without --enable_hybrid_engine (its hybrid kernels have no CPU build)")
+    ap.add_argument("--step3-from", choices=["own", "ds", "zeal"], default="own",
+                    help="whose step-1/2 models both sides' step 3 starts from (own: each side its own)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     shim = args.dschat / "dschat" / "__init__.py"
@@ -173,12 +187,17 @@ def main() -> None:
             ds, t_ds = run_side("ds", step, args, model, args.work, ranks)
             zl, t_zl = run_side("zeal", step, args, model, args.work, ranks)
             row = {"case": f"step{step}-r{ranks}-z{args.stage}", "ranks": ranks, "stage": args.stage, "ds": ds,
-                   "zeal": zl, "max_rel": rel(zl, ds) if ds and zl else None, "time_ratio": t_zl / t_ds}
+                   "zeal": zl, "max_rel": rel(zl, ds) if ds and zl else None,
+                   "max_abs": max((abs(x - y) for x, y in zip(zl, ds)), default=None) if ds and zl else None,
+                   "time_ratio": t_zl / t_ds, "wall_s": {"ds": t_ds, "zeal": t_zl}}
+            if step == 3:
+                row["ds_hybrid_engine"] = not args.ds_no_hybrid
+                row["step3_from"] = args.step3_from
             rows.append(row)
             print(f"{row['case']}: ds {ds}\n{' ' * len(row['case'])}  zeal {zl}\n  max rel {row['max_rel']}, "
                   f"wall time zeal/DS {row['time_ratio']:.2f}", flush=True)
-    print("\n| case | ranks | stage | what is compared | max rel diff | tol | wall zeal/DS |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| case | ranks | stage | what is compared | max rel diff | max abs diff | tol | wall zeal/DS |")
+    print("|---|---|---|---|---|---|---|---|")
     what = {1: "SFT loss per step", 2: "eval chosen score per step", 3: "PPO actor, critic loss per step"}
     for r in rows:
         step = int(r["case"][4])
@@ -188,7 +207,8 @@ def main() -> None:
         else:
             m = "DeepSpeed failed, zeal ran" if r["zeal"] and not r["ds"] else "failed"
         tol = f"{BF16_TOL:.0e}" if step < 3 else "behaviour"
-        print(f"| {r['case']} | {r['ranks']} | {r['stage']} | {what[step]} | {m} | {tol} | {r['time_ratio']:.2f} "
+        mabs = f"{r['max_abs']:.1e}" if r.get("max_abs") is not None else "-"
+        print(f"| {r['case']} | {r['ranks']} | {r['stage']} | {what[step]} | {m} | {mabs} | {tol} | {r['time_ratio']:.2f} "
               f"{'ok' if ok else ''} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

@@ -218,3 +218,21 @@ def test_engine_surface_names_are_real_zeal_engine_attributes():
 
     for field in _ZERO_FIELDS.values():
         assert field in ZeroConfig.model_fields, field
+
+
+def test_every_public_name_of_deepspeeds_dir_is_implemented_or_refused_by_name():
+    from zeal.deepspeed.refusals import Refused, deepspeed_names
+
+    missing = []
+    for name in deepspeed_names()["top_level"]:  # dir(deepspeed) of DeepSpeed 0.19.8 (bench/compat/ds_surface.py)
+        try:
+            getattr(deepspeed, name)
+        except Refused as e:
+            if e.generic:
+                missing.append(name)
+    assert missing == []
+    assert {"constants", "git_version_info", "QUERY", "KV"} <= deepspeed_names()["top_level"]
+    assert deepspeed.constants.TORCH_DISTRIBUTED_DEFAULT_PORT == deepspeed.TORCH_DISTRIBUTED_DEFAULT_PORT == 29500
+    assert (deepspeed.constants.CROSS_RANK, deepspeed.constants.LOCAL_RANK) == ("CROSS_RANK", "LOCAL_RANK")
+    assert deepspeed.git_version_info.version == deepspeed.__version__ and deepspeed.git_version_info.installed_ops == {}
+    assert (deepspeed.QUERY, deepspeed.KV, deepspeed.NOT_HEAD_BLOCKED) == ("query", "kv", "not-head-blocked")

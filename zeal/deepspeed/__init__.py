@@ -27,7 +27,21 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from zeal.deepspeed import accelerator, checkpoint, checkpointing, comm, moe, ops, pipe, runtime, utils, zero
+from zeal.deepspeed import (
+    accelerator,
+    checkpoint,
+    checkpointing,
+    comm,
+    constants,
+    git_version_info,
+    git_version_info_installed,
+    moe,
+    ops,
+    pipe,
+    runtime,
+    utils,
+    zero,
+)
 from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.comm.comm import init_distributed
 from zeal.deepspeed.ds_config import as_deepspeed_reads
@@ -38,15 +52,18 @@ from zeal.deepspeed.refusals import deepspeed_names, reason_by_prefix, refuse
 from zeal.deepspeed.utils import OnDevice, log_dist, logger
 
 __all__ = ["DeepSpeedEngine", "DeepSpeedHybridEngine", "OnDevice", "PipelineEngine", "PipelineModule", "accelerator",
-           "add_config_arguments", "checkpoint", "checkpointing", "comm", "get_accelerator", "init_distributed",
+           "add_config_arguments", "checkpoint", "checkpointing", "comm", "constants", "get_accelerator",
+           "git_version_info", "git_version_info_installed", "init_distributed",
            "initialize", "log_dist", "logger", "moe",
            "ops", "pipe", "runtime", "utils", "zero"]
 __version__ = "0.19.8+zeal"
 version = __version__
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 git_hash = git_branch = __git_hash__ = __git_branch__ = None
-TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+TORCH_DISTRIBUTED_DEFAULT_PORT = constants.TORCH_DISTRIBUTED_DEFAULT_PORT
 dist = comm
+# the attention-projection kinds DeepSpeed's per-head Muon tags (its values; zeal has no Muon)
+QUERY, KV, MLA_Q, MLA_KV, NOT_HEAD_BLOCKED = "query", "kv", "mla_q", "mla_kv", "not-head-blocked"
 
 _REASONS = {
     "init_inference": "serve with zeal.LLM(...) / `zeal serve` (zeal's inference engine)",
