@@ -38,12 +38,13 @@ ROOT = Path(__file__).resolve().parents[2]
 MODES = ("untiled", "tiled")
 
 
-def _config(mode: str, sp: int) -> dict:
+def _config(mode: str, sp: int, zero: int | None = None) -> dict:
     cfg: dict = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 1000}
     if sp > 1:
         cfg["sequence_parallel_size"] = sp
-        cfg["zero_optimization"] = {"stage": 3}
+    if sp > 1 or zero is not None:
+        cfg["zero_optimization"] = {"stage": 3 if zero is None else zero}
     if mode == "tiled":
         cfg["tiling"] = {"tiled_mlp": {"enabled": True, "num_shards": "auto"},
                          "tiled_logits_loss": {"enabled": True, "num_shards": "auto"}}
@@ -56,17 +57,32 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+_BASE = [0]  # --measure step: the RSS at the start of the measured step (0: whole-process peak)
+
+
 def _watchdog(budget: int) -> None:
     while True:
-        if _rss() > budget:
-            print(json.dumps({"over": True, "rss": _rss()}), flush=True)
+        if _rss() - _BASE[0] > budget:
+            print(json.dumps({"over": True, "rss": _rss() - _BASE[0]}), flush=True)
             os._exit(3)
         time.sleep(0.01)
 
 
+def _hwm() -> int:
+    """VmHWM: the peak RSS since the last reset (:func:`_reset_hwm`)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (Linux >= 4.0)
+        f.write("5")
+
+
 def trial(args: argparse.Namespace) -> int:
     """One step at ``args.seq`` tokens in this process (a rank of the trial)."""
-    threading.Thread(target=_watchdog, args=(args.budget_bytes,), daemon=True).start()
+    if args.measure == "peak":
+        threading.Thread(target=_watchdog, args=(args.budget_bytes,), daemon=True).start()
     import torch
 
     import zeal
@@ -82,17 +98,30 @@ def trial(args: argparse.Namespace) -> int:
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=1 << 22, tie_word_embeddings=False)
-    engine = zeal.initialize(lambda: Llama(cfg), _config(args.mode, args.sp))
+    engine = zeal.initialize(lambda: Llama(cfg), _config(args.mode, args.sp, args.zero))
     n_params = sum(p.numel() for p in engine.module.parameters())  # full shapes, at any ZeRO stage
     built = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    step_mode = args.measure == "step"
+    if step_mode:  # a short warm-up step makes the optimizer states and buffers; then measure one step
+        warm = torch.randint(0, args.vocab, (1, args.warmup), generator=torch.Generator().manual_seed(2))
+        engine.backward(engine(warm, labels=warm))
+        engine.step()
+        import gc
+
+        gc.collect()
+        built = _rss()
+        _BASE[0] = built
+        _reset_hwm()
+        threading.Thread(target=_watchdog, args=(args.budget_bytes,), daemon=True).start()
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
     t0 = time.perf_counter()
     loss = engine(ids, labels=ids)
     engine.backward(loss)
-    peak_fb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # forward + backward (and the build)
-    engine.step()
+    peak_fb = (_hwm() - built) if step_mode else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    _BASE[0] += 1 << 50 if step_mode else 0  # step: the budget bounds forward + backward (the optimizer step's
+    engine.step()  # temporaries are the model states', equal at every length)
     step_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_fb if step_mode else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"ok": True, "loss": float(loss), "peak": peak, "peak_fb": peak_fb, "built": built,
                       "step_s": step_s,
                       "params": n_params, "rank": int(os.environ.get("RANK", 0))}), flush=True)
@@ -105,7 +134,9 @@ def _run_trial(args: argparse.Namespace, mode: str, seq: int) -> dict:
     argv = [__file__, "--trial", "--mode", mode, "--seq", str(seq), "--budget", str(args.budget_bytes),
             "--sp", str(args.sp), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--intermediate", str(args.intermediate), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-            "--vocab", str(args.vocab)]
+            "--vocab", str(args.vocab), "--measure", args.measure, "--warmup", str(args.warmup)]
+    if args.zero is not None:
+        argv += ["--zero", str(args.zero)]
     if args.sp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.sp), "--master-port",
                str(29500 + seq % 1000), *argv]
@@ -180,6 +211,13 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of a trial (default 2)")
     p.add_argument("--trial-timeout", type=float, default=900.0, help="seconds per trial")
+    p.add_argument("--zero", type=int, default=None, help="ZeRO stage of every trial (default: 3 at --sp > 1, "
+                   "none at sp 1)")
+    p.add_argument("--measure", choices=("peak", "step"), default="peak",
+                   help="peak: the budget bounds the process's peak RSS; step: the peak RSS of one measured forward + "
+                   "backward above the RSS before it (after a --warmup step made the optimizer states)")
+    p.add_argument("--warmup", type=int, default=128, help="tokens of the warm-up step of --measure step")
+    p.add_argument("--lengths", help="comma-separated: run one trial at each (no search) and report it")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="untiled", help=argparse.SUPPRESS)
@@ -202,6 +240,14 @@ def main() -> int:
             return 2
     print(f"zeal Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, bf16; sp {args.sp}; "
           f"budget {args.budget_bytes / 2**30:.2f} GiB peak RSS per rank", flush=True)
+    if args.lengths:
+        rows = [{"mode": m, "seq": n, **_run_trial(args, m, n)} for m in modes for n in map(int, args.lengths.split(","))]
+        for r in rows:
+            print(json.dumps({k: r.get(k) for k in ("mode", "seq", "ok", "why", "peak", "peak_fb", "step_s")}))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"budget": args.budget_bytes, "sp": args.sp, "trials": rows},
+                                                  indent=2))
+        return 0
     results = [search(args, m) for m in modes]
     for r in results:
         extra = (f"peak {r['peak'] / 2**30:.2f} GiB (after build {r['built'] / 2**30:.2f}), step {r['step_s']:.1f} s, "

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = '''
 import torch, deepspeed
 from deepspeed import DeepSpeedTransformerLayer, DeepSpeedTransformerConfig, DeepSpeedConfig  # BingBert's modeling
-from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter  # accelerate
+from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter  # accelerate
 from deepspeed.ops.lion import DeepSpeedCPULion
 import deepspeed.module_inject
 from deepspeed.utils import set_z3_leaf_modules
@@ -39,7 +39,7 @@ def subclass():
 out = []
 for use in (lambda: DeepSpeedTransformerConfig(hidden_size=8), lambda: DeepSpeedCPULion([]),
             lambda: deepspeed.module_inject.replace_transformer_layer(None),
-            subclass, lambda: UlyssesSPDataLoaderAdapter(None)):
+            subclass, lambda: UlyssesSPAttentionHF(None)):
     try:
         use()
         out.append("ran")

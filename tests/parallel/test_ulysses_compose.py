@@ -6,9 +6,10 @@ reading them off fp32 parameters; see tests/parallel/test_ulysses.py).
 * SP 2 + ``tiling.tiled_logits_loss`` (HF Llama, ZeRO 3; zeal Llama, ZeRO 1): each rank's
   chunk loss over row tiles, the head never projecting more than one tile.
 * SP 2 × MoE with ep 2 on 2 ranks (zeal Llama, top-1 over 4 experts, no token over
-  capacity): each rank routes its chunk (the sp group is more data to the router); the
-  aux loss is the whole sequences' (fractions all-reduced over sp), so loss and
-  gradients equal one process's, aux loss included.
+  capacity): each rank routes its chunk (the sp group is more data to the router) with
+  the chunk's capacity (DeepSpeed's per-rank rule); the aux loss is the whole sequences'
+  (fractions all-reduced over sp), so loss and gradients equal one process's, aux loss
+  included. The model is built after ``init_process_group`` (it keeps only its experts).
 * SP 2 × PP 2 on 4 ranks (zeal Llama with the tiled loss, zeal GPT at a length S does
   not divide): the stages pass this rank's chunk; losses and every stage's parameters
   after the steps equal one process's.
@@ -73,7 +74,11 @@ def _tiled_and_moe(rank: int, world: int, seq: int) -> dict:
         engine = zeal.initialize(build(kind, seq), {**config(2, stage), **TILED})
         rows = _rows_seen(engine)
         out["tiled"].append({**_steps(engine, seq, True), "probe": rows})
-    out["moe"] = _steps(zeal.initialize(build_moe(seq, 2), config(2, 1)), seq, False)
+    from zeal.moe.layer import MoE
+
+    model = build_moe(seq, 2)  # built after init_process_group: keeps its experts only (initialised as one process)
+    out["moe"] = _steps(zeal.initialize(model, config(2, 1)), seq, False)
+    out["moe"]["capacity"] = [m.deepspeed_moe.gate_capacity for m in model.modules() if isinstance(m, MoE)]
     return out
 
 
@@ -103,14 +108,16 @@ def test_sp2_tiled_loss_hf_and_zeal_and_moe_ep2():
             got = out[r]["tiled"][i]
             check(got, ref, f"{kind} sp2 tiled rank {r}")
             assert got["probe"] and max(got["probe"]) <= -(-MICRO * seq // 2 // 3)  # one tile of the chunk's rows
+    from zeal.moe.gating import capacity
+
     ref = _moe_reference(seq)
     for r in range(2):
         got = out[r]["moe"]
         assert got["sizes"]["sp"] == 2 and got["sizes"]["ep"] == 2
-        try:
-            check(got, ref, f"moe sp2 ep2 rank {r}")
-        except AssertionError as e:  # open: the step-0 loss is 0.8% off one process's (issue 38 report)
-            pytest.xfail(f"MoE x SP not yet equal to one process: {str(e).splitlines()[0]}")
+        check(got, ref, f"moe sp2 ep2 rank {r}")
+        # the dropping rule: capacity is the chunk's (DeepSpeed's per-rank rule), here large enough for all
+        chunk = MICRO * seq // 2
+        assert got["capacity"] == [capacity(chunk, MOE["num_experts"], MOE["capacity_factor"], 1)] == [chunk]
 
 
 # -- PP x SP -----------------------------------------------------------------------------------

@@ -159,7 +159,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     if mpu is not None:
         from zeal.deepspeed.mpu import check_mpu
+        from zeal.deepspeed.runtime.sequence_parallel.ulysses_sp import config_with_mpu
 
+        config = config_with_mpu(_as_dict(config) or config, mpu)  # ALST's sp mpu carries the sp size
         check_mpu(mpu, _as_dict(config))
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
     given = config  # what DeepSpeed's engine.config holds
@@ -172,6 +174,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     else:
         ds = (PipelineEngine if hasattr(engine, "train_batch") else DeepSpeedEngine)(engine)
     ds.__dict__["_ds_config"] = _as_dict(given)
+    if mpu is not None:
+        from zeal.deepspeed.runtime.sequence_parallel.ulysses_sp import adopt
+
+        adopt(engine, model)  # a model registered by UlyssesSPAttentionHF: DeepSpeed's chunk loss
     return ds, engine.optimizer, engine.dataloader, engine.lr_scheduler
 
 

@@ -24,6 +24,10 @@ def check_mpu(mpu: Any, config: dict | None) -> None:
     """Raise ValueError unless ``mpu`` agrees with ``config`` and zeal's rank layout."""
     import torch.distributed as dist
 
+    from zeal.deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    if mpu is parallel_state_sp:  # ALST's sp mpu (register_with_transformers): zeal's own sp layout
+        return
     tp = _size(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")
     pp = _size(mpu, "get_pipeline_model_parallel_world_size")
     dp = _size(mpu, "get_data_parallel_world_size")

@@ -24,6 +24,7 @@ from torch import nn
 from zeal.models.attention import DENSE, Attention, fused_ops, residual_stream
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 from zeal.models.moe_mlp import MoEMLP, check_moe_config, is_moe_block, moe_aux_loss
+from zeal.moe.layer import apply_global
 
 
 @dataclass
@@ -169,7 +170,7 @@ class GPT(nn.Module, Checkpointable):
         self.lm_head.weight = self.transformer.wte.weight  # tied
         self.checkpoint_policy = CheckpointPolicy()
         if not any(p.is_meta for p in self.parameters()):
-            self.apply(self._init_weights)
+            apply_global(self, self._init_weights)  # MoE experts sliced at build: one process's draws
 
     def _init_weights(self, module: nn.Module) -> None:
         """GPT-2 initialisation, applied per module (also used by zeal's meta-device

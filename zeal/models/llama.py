@@ -25,6 +25,7 @@ from zeal.models.attention import DENSE, Attention, dense_causal_attention, fuse
 from zeal.models.checkpointing import Checkpointable, CheckpointPolicy, causal_lm_loss, run_blocks
 from zeal.models.llama_config import _MOE_KEYS, LlamaConfig, rope_inv_freq  # noqa: F401 - public here too
 from zeal.models.moe_mlp import MoEMLP, is_moe_block, moe_aux_loss
+from zeal.moe.layer import apply_global
 
 __all__ = ["Llama", "LlamaConfig", "LlamaLayer", "Rope", "apply_rope", "dense_causal_attention", "rope_inv_freq"]
 
@@ -201,7 +202,7 @@ class Llama(nn.Module, Checkpointable):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.checkpoint_policy = CheckpointPolicy()
         if not any(p.is_meta for p in self.parameters()):
-            self.apply(self._init_weights)
+            apply_global(self, self._init_weights)  # MoE experts sliced at build: one process's draws
 
     def _init_weights(self, module: nn.Module) -> None:
         """Hugging Face's Llama initialisation, per module (zeal's meta-device

@@ -54,6 +54,7 @@ class Experts(nn.Module):
         super().__init__()
         self.deepspeed_experts = nn.ModuleDict({str(g): copy.deepcopy(expert) for g in range(num_experts)})
         self.num_experts, self.ep_size = num_experts, ep_size
+        self.template: list[nn.Module] = []  # an expert's copy while others' experts are gone (apply_global)
         for p in self.parameters():
             p.allreduce = False
             p.group_name = f"ep_size_{ep_size}"
@@ -67,6 +68,8 @@ class Experts(nn.Module):
         lo = ep_rank * self.num_local_experts
         mine = {str(g) for g in range(lo, lo + self.num_local_experts)}
         dropped = []
+        if not self.template and len(self.deepspeed_experts):  # (a plain list: not a submodule)
+            self.template.append(copy.deepcopy(next(iter(self.deepspeed_experts.values()))).to("meta"))
         for key in list(self.deepspeed_experts.keys()):
             if key not in mine:
                 dropped += list(self.deepspeed_experts[key].parameters())
@@ -79,6 +82,26 @@ class Experts(nn.Module):
             y = expert(x[:, i])
             outs.append(y[0] if isinstance(y, tuple) else y)
         return torch.stack(outs, dim=1)
+
+
+def apply_global(module: nn.Module, fn) -> None:
+    """``module.apply(fn)`` as if every MoE layer still held all its experts: where an
+    :class:`Experts` keeps only this rank's (built after ``init_process_group``), ``fn``
+    also runs, in its place in global expert order, on a throw-away copy of each absent
+    expert. A model's weight init through it draws the random numbers one process draws,
+    so every expert and every later module start as they do there."""
+    for child in module.children():
+        if isinstance(child, Experts) and child.template:
+            for g in range(child.num_experts):
+                have = child.deepspeed_experts[str(g)] if str(g) in child.deepspeed_experts else None
+                if have is None:
+                    have = copy.deepcopy(child.template[0]).to_empty(device="cpu")
+                apply_global(have, fn)
+            fn(child.deepspeed_experts)
+            fn(child)
+        else:
+            apply_global(child, fn)
+    fn(module)
 
 
 class MOELayer(nn.Module):

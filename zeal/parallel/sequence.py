@@ -96,6 +96,9 @@ class SequenceParallel:
         self.attention = UlyssesAttention(comm)
         self._signature = inspect.signature(model.forward)
         self.loss_shards: NumShards | None = None  # tiling.tiled_logits_loss: the chunk's loss over tiles
+        # DeepSpeed's ALST semantics for a chunk batch (set by zeal.deepspeed's ulysses_sp.adopt):
+        # the chunk's own mean loss, its gradient scaled by this (sp size: DeepSpeed sums over sp)
+        self.deepspeed_chunk_loss: float | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         own = {k: kwargs.pop(k) for k in ("shift_labels", "position_ids", "positions", "attention_mask")
@@ -125,7 +128,7 @@ class SequenceParallel:
         else:
             chunk, pos_chunk, y, full_len = shard_batch(ids, labels, pos, self.comm)
         if y is not None and self.loss_shards is not None:
-            return self._tiled(chunk, pos_chunk, y, a)
+            return self._tiled(chunk, pos_chunk, y, a, own=shift is not None)
         out = self._run(chunk, pos_chunk, a)
         logits = out if isinstance(out, torch.Tensor) else out.logits
         if y is None:
@@ -134,7 +137,10 @@ class SequenceParallel:
                 return full
             out.logits = full
             return out
-        loss = self._with_aux(self._loss(logits, y))
+        if shift is not None and self.deepspeed_chunk_loss is not None:
+            loss = self._deepspeed_chunk(*_chunk_sum(logits, y))
+        else:
+            loss = self._with_aux(self._loss(logits, y))
         if isinstance(out, torch.Tensor):
             return loss
         out.loss = loss
@@ -147,7 +153,7 @@ class SequenceParallel:
             return self.model(input_ids=ids, position_ids=pos, **rest)
         return self.model(ids, positions=pos, attention=self.attention, **rest)
 
-    def _tiled(self, ids: torch.Tensor, pos: torch.Tensor, y: torch.Tensor, rest: dict) -> Any:
+    def _tiled(self, ids: torch.Tensor, pos: torch.Tensor, y: torch.Tensor, rest: dict, own: bool = False) -> Any:
         """The loss of this rank's chunk over tiles of rows: the head's input from the model
         (zeal: ``hidden_only``; Hugging Face: its base model), never whole logits."""
         if self.hf:
@@ -165,7 +171,10 @@ class SequenceParallel:
         total, count = tiled_logits_loss(project, h, y, self.loss_shards, params=head_params(head),
                                          cross_entropy=ce, ignore_index=IGNORE,
                                          vocab=getattr(head, "out_features", None))
-        loss = self._with_aux(_SequenceLoss.apply(total, count.to(torch.float64), self.comm))
+        if self.deepspeed_chunk_loss is not None and own:
+            loss = self._deepspeed_chunk(total, count)
+        else:
+            loss = self._with_aux(_SequenceLoss.apply(total, count.to(torch.float64), self.comm))
         if not self.hf:
             return loss
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -180,10 +189,22 @@ class SequenceParallel:
         return loss if aux is None else loss + coef * aux
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        local = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1),
-                                ignore_index=IGNORE, reduction="sum")
-        count = (y != IGNORE).sum().to(torch.float64)
-        return _SequenceLoss.apply(local, count, self.comm)
+        local, count = _chunk_sum(logits, y)
+        return _SequenceLoss.apply(local, count.to(torch.float64), self.comm)
+
+    def _deepspeed_chunk(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's chunk loss: this chunk's mean over its counted tokens (NaN when it has
+        none, as Hugging Face's), whose gradient is scaled by ``deepspeed_chunk_loss``."""
+        mean = total / count.to(total.dtype)
+        scale = self.deepspeed_chunk_loss
+        return mean if scale == 1.0 else mean * scale - (mean * (scale - 1.0)).detach()
+
+
+def _chunk_sum(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed next-token cross-entropy of a chunk (ignore-index -100) and its token count."""
+    local = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1),
+                            ignore_index=IGNORE, reduction="sum")
+    return local, (y != IGNORE).sum()
 
 
 def shard_batch(ids: torch.Tensor, labels: torch.Tensor | None, pos: torch.Tensor | None,
