@@ -211,6 +211,106 @@ def run_grpo(spec: dict) -> dict:
     return {"rewards": rewards, "generate_s": times["generate"], "step_s": times["step"], "train_s": wall}
 
 
+def _zeal_module(spec: dict, name: str):
+    """A pure-Python module of zeal's checkout (``zeal/rlhf/<name>.py``), loaded by path."""
+    import importlib.util
+
+    mod_spec = importlib.util.spec_from_file_location(f"zeal_{name}", f"{spec['zeal_root']}/zeal/rlhf/{name}.py")
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def run_grpo_tools(spec: dict) -> dict:
+    """TRL's multi-turn GRPO (``GRPOTrainer(tools=[calculator])``): the tokenizer's chat
+    template replaced by ``spec["chat_template"]`` (one TRL knows the tool-call format of),
+    zeal's calculator (``zeal/rlhf/tools.py``, loaded by path) as the tool, the prompts (chat
+    messages) in zeal's order, the task reward on the last assistant message. Per step: the
+    mean reward, the exact accuracy, the tool calls per episode (TRL's
+    ``tools/call_frequency``) and the step's seconds."""
+    from datasets import Dataset
+    from torch.utils.data import Sampler
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tasks, tools = _zeal_module(spec, "tasks"), _zeal_module(spec, "tools")
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression (+, -, *, /, //, %, **, parentheses).
+
+        Args:
+            expression: the arithmetic expression
+        """
+        return tools.calculator(expression)
+
+    torch.manual_seed(spec["seed"])
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    tok.chat_template = spec["chat_template"]
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    G = spec["num_generations"]
+    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for r in spec["rows"]]
+    out = {"rewards": [], "accuracy": [], "tool_calls": [], "step_s": [], "completions": []}
+
+    def final_text(c):
+        if isinstance(c, str):
+            return c
+        said = [m.get("content") or "" for m in c if m.get("role") == "assistant"]
+        return said[-1] if said else ""
+
+    def reward_fn(prompts, completions, answer, **_):
+        texts = [final_text(c) for c in completions]
+        keyed = [{"answer": a} for a in answer]
+        r = getattr(tasks, spec["reward"])(keyed, texts)
+        out["rewards"].append(sum(r) / len(r))
+        exact = tasks.arithmetic_reward(keyed, texts)
+        out["accuracy"].append(sum(x > 0 for x in exact) / len(exact))
+        if len(out["completions"]) < 4:
+            out["completions"].append(json.dumps(completions[0], default=str)[:600])
+        return r
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            out["step_s"].append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "tools/call_frequency" in logs:
+                out["tool_calls"].append(logs["tools/call_frequency"])
+            if spec.get("progress"):  # the steps so far, readable should the run be stopped
+                with open(spec["progress"], "w") as f:
+                    json.dump(out, f)
+
+    class Ordered(GRPOTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            n = len(self.train_dataset)
+
+            class Repeat(Sampler):
+                def __iter__(self):
+                    return iter([i for i in range(n) for _ in range(G)])
+
+                def __len__(self):
+                    return n * G
+
+            return Repeat()
+
+    with tempfile.TemporaryDirectory() as d:
+        args = GRPOConfig(**_common_args(spec, d), per_device_train_batch_size=spec["batch_size"] * G,
+                          num_generations=G, max_completion_length=spec["max_completion_length"],
+                          max_tool_calling_iterations=spec["max_turns"] - 1, temperature=1.0, top_p=1.0, top_k=0,
+                          beta=spec["beta"], epsilon=0.2, loss_type="grpo", scale_rewards="group", num_iterations=1,
+                          shuffle_dataset=False, log_completions=False)
+        trainer = Ordered(model=model, reward_funcs=reward_fn, args=args, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok, tools=[calculator], callbacks=[Clock()])
+        out["first_prompt"] = tok.apply_chat_template(rows[0]["prompt"], tools=[calculator], tokenize=False,
+                                                      add_generation_prompt=True)
+        t0 = time.perf_counter()
+        trainer.train()
+        out["train_s"] = time.perf_counter() - t0
+    return out
+
+
 def run_ppo(spec: dict) -> dict:
     """TRL's last PPO (0.29's ``trl.experimental.ppo``, put first on ``PYTHONPATH`` by the
     driver): policy, reference, value model and a reward model (SmolLM with a scalar head:
@@ -290,7 +390,8 @@ Python function instead), one PPO epoch per rollout batch."""
 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
-    result = {"dpo": run_dpo, "rm": run_rm, "grpo": run_grpo, "ppo": run_ppo}[spec["job"]](spec)
+    result = {"dpo": run_dpo, "rm": run_rm, "grpo": run_grpo, "ppo": run_ppo,
+              "grpo_tools": run_grpo_tools}[spec["job"]](spec)
     import trl
 
     result["trl_version"] = trl.__version__

@@ -51,7 +51,8 @@ def run_trl(args) -> dict:
             "steady_step_s": steady, "steady_samples_per_s": per_step / steady,
             "rewards": [round(r, 4) for r in t["rewards"]], "final_reward": sum(t["rewards"][-2:]) / 2,
             "generate_s": sum(t["generate_s"]), "train_s": sum(steps) - sum(t["generate_s"]),
-            "sync_s_per_step": 0.0, "wait_s": 0.0, "wall_s": time.perf_counter() - t0, "staleness": []}
+            "sync_s_per_step": 0.0, "wait_s": 0.0, "wall_s": time.perf_counter() - t0, "staleness": [],
+            "elapsed": [round(sum(steps[:i + 1]), 2) for i in range(len(steps))]}
 
 
 def run(variant: str, args) -> dict:
@@ -81,7 +82,10 @@ def run(variant: str, args) -> dict:
            "generate_s": sum(r["time_generate_s"] for r in m), "train_s": sum(r["time_train_s"] for r in m),
            "sync_s_per_step": sum(r["time_sync_s"] for r in m) / len(m),
            "wait_s": sum(r.get("time_wait_s", 0.0) for r in m), "wall_s": wall,
-           "staleness": [r["staleness"] for r in m]}
+           "staleness": [r["staleness"] for r in m],
+           "elapsed": [round(r["elapsed_s"], 2) for r in m],  # from just before step 1 (TRL's: its steps' sum)
+           "is_ratio": [[round(r[k], 4) for k in ("is_ratio_min", "is_ratio_mean", "is_ratio_max")]
+                        for r in m if "is_ratio_mean" in r]}
     if "async" in res.extra:
         out["overlap"] = {k: round(v, 3) for k, v in res.extra["async"].items()}
     res.engine.close()
@@ -115,7 +119,7 @@ def main() -> None:
     report(results)
 
 
-def report(results: list[dict]) -> None:
+def report(results: list[dict], last_k: int = 4) -> None:
     """One line per run; per seed the async bound (sync's (gen + train) / max(gen, train))
     and every variant's steady samples/s over TRL's; the mean reward per variant."""
     print(f"{'seed':>4} {'variant':10} {'samples/s':>9} {'steady/s':>9} {'gen s':>7} {'train s':>7} "
@@ -140,6 +144,53 @@ def report(results: list[dict]) -> None:
         print(f"{v}: mean over {len(rs)} seed(s): final reward {sum(r['final_reward'] for r in rs) / len(rs):.3f}, "
               f"all steps {sum(curve) / max(len(curve), 1):.3f}, steady samples/s "
               f"{sum(r['steady_samples_per_s'] for r in rs) / len(rs):.2f}; curve {' '.join(f'{c:.3f}' for c in curve)}")
+    compare(results, last_k)
+
+
+def _lag(variant: str) -> int:
+    """How many updates older than the trainer's the weights that sampled a batch are."""
+    return int(variant.removeprefix("async").partition("t")[0]) if variant.startswith("async") else 0
+
+
+def compare(results: list[dict], last_k: int = 4) -> None:
+    """The reward curves three ways, mean over seeds: by step (as logged); by the weights
+    version that sampled the batch (step − 1 − k with async k: the policy's learning, free of
+    the sampling lag); and by wall time (the mean reward of the last ``last_k`` batches
+    finished by each time point, the points at fractions of TRL's (else the slowest's) time)."""
+    variants = list(dict.fromkeys(r["variant"] for r in results))
+    seeds = sorted({r["seed"] for r in results})
+    by = {v: [r for r in results if r["variant"] == v] for v in variants}
+    print(f"\nreward, mean over seeds {seeds}; last {last_k} steps per seed and mean:")
+    for v in variants:
+        per = [sum(r["rewards"][-last_k:]) / len(r["rewards"][-last_k:]) for r in by[v]]
+        print(f"  {v:10} " + " ".join(f"seed {r['seed']} {x:.3f}" for r, x in zip(by[v], per))
+              + f"  mean {sum(per) / len(per):.3f}")
+    for title, shift in (("by step", False), ("by the weights version that sampled the batch", True)):
+        print(f"\nreward {title}:")
+        n = max(len(r["rewards"]) for r in results)
+        print(f"  {'':10} " + " ".join(f"{i + 1 - shift:>6}" for i in range(n)))
+        for v in variants:
+            curve = [sum(x) / len(x) for x in zip(*[r["rewards"] for r in by[v]])]
+            if shift:  # batch t of async k was sampled by version t - 1 - k: line versions up
+                curve = curve[_lag(v):]
+            print(f"  {v:10} " + " ".join(f"{c:6.3f}" for c in curve))
+    ref = "trl" if "trl" in by else max(variants, key=lambda v: sum(r["elapsed"][-1] for r in by[v]))
+    t_end = sum(r["elapsed"][-1] for r in by[ref]) / len(by[ref])
+    points = [t_end * f for f in (0.125, 0.25, 0.375, 0.5, 0.75, 1.0)]
+    print(f"\nreward by wall time (mean of the last {last_k} batches finished by then, mean over seeds; "
+          f"'-' none yet; steps done in brackets):")
+    print(f"  {'':10} " + " ".join(f"{t:>12.0f}s" for t in points))
+    for v in variants:
+        cells = []
+        for t in points:
+            vals, done = [], []
+            for r in by[v]:
+                k = sum(e <= t for e in r["elapsed"])
+                done.append(k)
+                if k:
+                    vals.append(sum(r["rewards"][max(0, k - last_k):k]) / len(r["rewards"][max(0, k - last_k):k]))
+            cells.append(f"{sum(vals) / len(vals):6.3f} ({sum(done) / len(done):4.1f})" if vals else f"{'-':>13}")
+        print(f"  {v:10} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -90,11 +90,11 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills():
     torch.testing.assert_close(b2.rewards, torch.tensor([1.0, 1.0 - 0.5]))
 
 
-def _run(tmp_path, name, **rlhf):
+def _run(tmp_path, name, lr=3e-3, **rlhf):
     from tests.rlhf.test_e2e import PROMPTS, fraction_of_target, tiny
     from zeal.rlhf import grpo
 
-    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": lr}},
            "rlhf": {"steps": 4, "batch_size": 2, "num_generations": 4, "max_new_tokens": 6, "beta": 0.04,
                     "generation_dtype": "fp32", **rlhf}}
     res = grpo(tiny(), fraction_of_target, PROMPTS, cfg, out=str(tmp_path / name))
@@ -237,3 +237,27 @@ def test_nearby_seeds_draw_unrelated_streams():
         assert not streams(s, 3) & streams(s + 1, 3)
         assert not streams(s, 3) & streams(s, 4) and not streams(s, 3) & streams(s, 3, 1)
     assert sampling_seed(5, 2) == sampling_seed(5, 2)  # deterministic
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_async_k1_batches_equal_sync_ones_when_the_weights_stay(tmp_path, monkeypatch, dtype):
+    """With lr 0 every weights version is the initial one, so async k = 1 must sample exactly
+    the synchronous run's batches, step by step (same prompts, seeds and weights): what
+    separates the two otherwise is only the version that sampled a batch, not the prompt
+    order, the seeds or the generator thread."""
+    import zeal.rlhf.grpo_trainer as gt
+
+    seen: dict[str, dict[int, list]] = {}
+    make_batch = gt.make_batch
+
+    def spy(hybrid, step, *args, **kwargs):
+        batch = make_batch(hybrid, step, *args, **kwargs)
+        seen.setdefault(run, {})[step] = [(r.prompt_ids, r.output_ids) for r in batch.rollouts]
+        return batch
+
+    monkeypatch.setattr(gt, "make_batch", spy)
+    for run, k in (("sync", 0), ("async", 1)):
+        _run(tmp_path, run, async_rollouts=k, generation_dtype=dtype, lr=0.0)
+    assert sorted(seen["async"]) == [1, 2, 3, 4]
+    for step in range(1, 5):
+        assert seen["async"][step] == seen["sync"][step], step

@@ -24,6 +24,7 @@ from zeal.rlhf.common import (
 )
 from zeal.rlhf.config import split_config
 from zeal.rlhf.data import encode_pair, encode_sft, free_token, pad_rows
+from zeal.rlhf.flops import StepFlops
 from zeal.rlhf.packing import packed_logprobs
 from zeal.rlhf.value import ValueModel
 
@@ -44,7 +45,10 @@ def _rank_batches(n: int, size: int, gen: torch.Generator, engine):
         yield batch[r * size:(r + 1) * size]
 
 
-def _loop(job: str, engine, out, rc, step_fn, batches=None) -> RunLog:
+def _loop(job: str, engine, out, rc, step_fn, batches=None, flops: StepFlops | None = None) -> RunLog:
+    """Run ``step_fn(step)`` for the remaining steps, logging its stats; a ``flops`` entry in
+    them (the step's FLOP count) becomes ``tflops`` / ``mfu`` over the step's seconds
+    (``flops.dpo``)."""
     run = RunLog(out, engine.rank, job, rc, engine.mesh.dp)
     start = run.resume(engine)
     for _ in range(start if batches is not None else 0):  # the row order continues where it stopped
@@ -53,7 +57,11 @@ def _loop(job: str, engine, out, rc, step_fn, batches=None) -> RunLog:
     for step in range(start + 1, rc.steps + 1):
         t0 = time.perf_counter()
         stats = step_fn(step)
-        run.log(step, time_train_s=time.perf_counter() - t0, time_generate_s=0.0, time_sync_s=0.0, **stats)
+        dt = time.perf_counter() - t0
+        lengths = stats.pop("rows", None)
+        if flops is not None and lengths is not None:
+            stats.update(flops.dpo(lengths, dt))
+        run.log(step, time_train_s=dt, time_generate_s=0.0, time_sync_s=0.0, **stats)
         run.checkpoint(engine, step, final=step == rc.steps)
     run.close()
     return run
@@ -158,7 +166,9 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         ref_r = torch.cat([sequence_logprob(pol.model, rejected.ids[i:i + 16], rejected.mask[i:i + 16])
                            for i in range(0, len(pairs), 16)])
     pol.model.train(was)
+    flops = StepFlops(pol.model)  # before ZeRO partitions the weights
     engine = build_engine(pol.model, engine_cfg, 2 * rc.batch_size, job="dpo")
+    flops.bind(engine.device)
     batches = _rank_batches(len(pairs), rc.batch_size, gen, engine)
 
     def step_fn(step):
@@ -176,7 +186,8 @@ def dpo(model: Any, data: Sequence[dict], config: Any = None, *, tokenizer: Any 
         lens = b.mask.sum(-1)
         kl = ((torch.cat([lp_c, lp_r]).detach() - torch.cat([ref_c[pick], ref_r[pick]])) / lens).mean()
         return {"loss": loss.item(), "reward": (rc_ - rr_).mean().item(), "accuracy": (rc_ > rr_).float().mean().item(),
-                "kl": kl.item(), "response_length": lens.mean().item()}
+                "kl": kl.item(), "response_length": lens.mean().item(),
+                "rows": [len(prompts[i]) + len(pairs[i][k]) for k in (1, 2) for i in pick]}
 
-    run = _loop("dpo", engine, out, rc, step_fn, batches)
+    run = _loop("dpo", engine, out, rc, step_fn, batches, flops)
     return RunResult(engine, run.records, run.out, {"ref_chosen": ref_c, "ref_rejected": ref_r})

@@ -35,6 +35,7 @@ from zeal.rlhf.common import (
     set_seed,
 )
 from zeal.rlhf.config import split_config
+from zeal.rlhf.flops import StepFlops
 from zeal.rlhf.grpo_trainer import score
 from zeal.rlhf.hybrid import HybridEngine, generation_dtype
 from zeal.rlhf.value import ValueModel, end_scores
@@ -108,12 +109,16 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
     if isinstance(reward, nn.Module):
         reward = frozen_copy(reward)
     prompt_ids = [encode_prompt(p, pol.tokenizer, rc) for p in prompts]
+    # counted before ZeRO partitions the weights
+    flops, critic_flops = StepFlops(pol.model), StepFlops(critic)
+    reward_flops = StepFlops(reward) if isinstance(reward, nn.Module) else None
     actor = build_engine(pol.model, engine_cfg, rc.batch_size, job="ppo", what="actor engine")
     critic_engine = build_engine(critic, without_lora(engine_cfg), rc.batch_size, lr=rc.critic_lr, job="ppo",
                                  what="critic engine")
     hybrid = HybridEngine(actor, pol.tokenizer, eos_token_ids=pol.eos_ids, kv_cache_bytes=rc.kv_cache_bytes,
                           dtype=generation_dtype(rc.generation_dtype, next(actor.module.parameters()).dtype,
                                                  actor.device))
+    flops.bind(actor.device)
     run = RunLog(out, actor.rank, "ppo", rc, actor.mesh.dp)
     start = run.resume(actor)
     if start:
@@ -132,6 +137,7 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         say("ppo", f"step {start + 1}: generating answers to {B * world} prompts (up to {rc.max_new_tokens} "
             "tokens), scoring them, then the actor and critic updates; a line per step")
     for step in range(start + 1, rc.steps + 1):  # one global batch, this rank's slice (as GRPO)
+        t_step = time.perf_counter()
         pick = torch.randint(len(prompt_ids), (B * world,), generator=gen)[r * B:(r + 1) * B].tolist()
         params = SamplingParams(max_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                 seed=sampling_seed(rc.seed, step) + r * B, logprobs=0)
@@ -150,8 +156,10 @@ def ppo(model: Any, reward: Callable[..., Sequence[float]] | nn.Module, prompts:
         stats = ppo_update(actor, critic_engine, ref, b, scores, rc, ptx, pol.pad_id, ema, hybrid.exact_logprobs)
         t_train = time.perf_counter() - t0
         times = hybrid.take_times()
+        work = flops.ppo(rollouts, critic_flops, reward_flops, rc.ppo_epochs, [len(p) for p in ptx or []],
+                         times.generate, t_train, time.perf_counter() - t_step)
         run.log(step, reward=scores.mean().item(), time_generate_s=times.generate, time_train_s=t_train,
-                time_sync_s=times.sync, **stats)
+                time_sync_s=times.sync, **stats, **work)
         run.checkpoint(critic_engine, step, final=step == rc.steps, sub="critic")
         if ema is not None and run.enabled and run.saves(step, final=step == rc.steps):
             ema.save(_ema_file(run, f"step{step}"))  # before the actor's checkpoint, whose `latest` commits
