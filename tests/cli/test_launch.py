@@ -1,5 +1,7 @@
 """`zeal launch`: the torchrun command it builds, and a 2-"node" run on this machine
-(two torchrun agents meeting at a c10d rendezvous on 127.0.0.1) matching a 1-node run."""
+(two torchrun agents meeting at a c10d rendezvous on 127.0.0.1) matching a 1-node run of
+the same script on 2 ranks (started by the test harness: `zeal launch --nproc 2` on one
+node is run by the failing-rank test below)."""
 
 from __future__ import annotations
 
@@ -67,10 +69,20 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 150) -> None:
         assert p.returncode == 0, out[-3000:]
 
 
+def _script_on_rank(rank: int, world: int, out: str) -> None:
+    """The launched script as one rank of a 1-node run (forked from the harness's warm server)."""
+    import runpy
+
+    sys.argv = [str(SCRIPT), out]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
 @pytest.mark.timeout(180)
 def test_two_nodes_match_one_node(tmp_path):
+    from tests.dist_harness import run_ranks
+
     one, two = tmp_path / "one.json", tmp_path / "two.json"
-    _finish([_zeal("launch", "--nproc", "2", str(SCRIPT), str(one))])
+    run_ranks(_script_on_rank, 2, str(one), timeout=150)
     port = str(_free_port())
     _finish([_zeal("launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
                    "--master-port", port, "--rdzv-id", "test", str(SCRIPT), str(two)) for r in (0, 1)])

@@ -22,7 +22,9 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "hf_from_pretrained_z3.py
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [1, 2])
+# one rank reads and keeps every weight: the long tier; two ranks (rank 0 reading, rank 1 receiving) run
+# the same zeal lines and more, in the default tier
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_from_pretrained_under_zero3_loads_the_checkpoint_on_every_rank(tmp_path, ranks):
     from zeal.deepspeed.switch import site_dir
 
