@@ -55,7 +55,7 @@ def _setup(steps: int, micro: int, lws: int, precision: str, zeropp: dict, persi
 
     apply_process_settings()  # as `zeal train` does (huge pages), before any tensor
 
-    job = JobSection(steps=steps, nproc=1, checkpoint=False, precision=precision)
+    job = JobSection(hf_model="gpt", steps=steps, nproc=1, checkpoint=False, precision=precision)
     zo: dict = {"stage": 3, **zeropp}
     if persistence is not None:
         zo["stage3_param_persistence_threshold"] = persistence
