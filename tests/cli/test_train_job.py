@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["--data.max_bytes", "1000000", "--job.eval_batches", "2", "--job.log_interval", "10"]
+SHORT = ["--data.max_bytes", "400000", "--job.eval_batches", "2", "--job.log_interval", "10"]
 TINY_GPT = ["--model", "gpt", "--model.n_layer", "2", "--model.n_embd", "64", "--data.vocab_size", "1024",
             "--data.seq_len", "64"]
 
@@ -45,13 +45,13 @@ def test_the_default_job_fine_tunes_the_embedded_smollm2(tmp_path):
     run = tmp_path / "run"
     out = zeal(env, "train", "--steps", "2", "--run-dir", str(run), "--data.max_bytes", "300000",
                "--job.eval_batches", "1", "--job.sample_tokens", "8")
-    for text in ("134.52M params", "2 process(es)", "ZeRO stage 3", "held-out loss", "sample:\ndef"):
+    for text in ("134.52M params", "2 process(es)", "ZeRO stage 3", "held-out loss", "sample:\nimport os\n"):
         assert text in out, out
     s = json.loads((run / "summary.json").read_text())
     assert (s["world_size"], s["zero_stage"], s["steps"]) == (2, 3, 2)
-    assert 0 < s["heldout_loss_after"] < 5 and s["sample"].startswith("def")  # a trained model: ~1.5 nats/token
+    assert 0 < s["heldout_loss_after"] < 5 and s["sample"].startswith("import os\nimport sys\n\n\ndef")
     spec = json.loads((run / "config.json").read_text())
-    assert spec["job"]["hf_model"] == "smollm2" and spec["job"]["lr"] == 5e-5
+    assert spec["job"]["hf_model"] == "smollm2" and spec["job"]["lr"] == 1e-4  # the fine-tuning defaults
 
 
 @pytest.mark.timeout(300)

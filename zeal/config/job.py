@@ -38,9 +38,9 @@ sizes are computed from, known without converting the model."""
 
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     # zeal's GPT from scratch: a high rate, many short steps, 8 sequences per rank
-    "gpt": {"steps": 400, "lr": 3e-3, "warmup_steps": 30, "micro_batch": 8},
-    # fine-tuning a trained model (the default job: SmolLM2-135M on the stdlib, ~1.5 min on 2 cores)
-    "fine-tune": {"steps": 24, "lr": 5e-5, "warmup_steps": 4, "micro_batch": 2},
+    "gpt": {"steps": 400, "lr": 3e-3, "warmup_steps": 30, "micro_batch": 8, "eval_batches": 8},
+    # fine-tuning a trained model (the default job: SmolLM2-135M on the stdlib, ~2 min on 2 cores)
+    "fine-tune": {"steps": 12, "lr": 1e-4, "warmup_steps": 2, "micro_batch": 2, "eval_batches": 4},
 }
 """Loop defaults by kind of model (``gpt`` or ``fine-tune``: any Hugging Face folder); a
 value given in the config or on the command line wins."""
@@ -115,13 +115,14 @@ class JobSection(Section):
     train_tokens: int | None = Field(None, ge=1, description="Stop once this many tokens are consumed "
                                      "(--train-tokens; job.steps still caps the run).")
     eval_interval: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = before/after only).")
-    eval_batches: int = Field(8, ge=1, description="Held-out micro-batches per rank per evaluation.")
+    eval_batches: int | None = Field(None, ge=1, description="Held-out micro-batches per rank per evaluation; "
+                                     "None = the model's default (see MODEL_DEFAULTS).")
     save_interval: int = Field(200, ge=0, description="Checkpoint every N steps (0 = at the end only).")
     checkpoint: bool = Field(True, description="Write checkpoints at all (false for throwaway runs).")
     log_interval: int = Field(10, ge=1, description="Progress lines every N steps when not on a terminal.")
-    sample_prompt: str = Field("def", description="Prompt of the sample generated at the end (no trailing space: the "
-                               "byte-level BPE joins a space to the word after it, so a lone space token is one the "
-                               "model never saw in training).")
+    sample_prompt: str = Field("import os\nimport sys\n\n\ndef", description="Prompt of the sample generated at the "
+                               "end: the start of a Python file (no trailing space: the byte-level BPE joins a space "
+                               "to the word after it, so a lone space token is one the model never saw in training).")
     sample_tokens: int = Field(64, ge=0, description="Tokens generated for the final sample (0 = none).")
     temperature: float = Field(0.8, ge=0, description="Sampling temperature of the final sample.")
     top_k: int = Field(40, ge=0, description="Top-k of the final sample (0 = off).")
