@@ -47,7 +47,7 @@ def run_variant(name: str, extra: dict, args: argparse.Namespace, root: Path) ->
     from zeal.train.job import run_job
 
     budget = args.steps * args.micro * args.seq
-    job = {"steps": 10 * args.steps, "nproc": 1, "run_dir": str(root / name), "eval_batches": args.eval_batches,
+    job = {"hf_model": "gpt", "steps": 10 * args.steps, "nproc": 1, "run_dir": str(root / name), "eval_batches": args.eval_batches,
            "eval_interval": args.eval_interval, "save_interval": 0, "checkpoint": False, "sample_tokens": 0,
            "report_to": "none", "precision": "fp32", "lr": args.lr, "lr_warmup_tokens": budget // 20,
            "lr_decay_tokens": budget, "min_lr": args.lr / 10, "train_tokens": budget, "log_interval": 10**6}

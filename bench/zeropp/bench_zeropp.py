@@ -4,7 +4,7 @@ Three measurements, each on real gloo ranks started by ``tests/dist_harness.run_
 (every run has a deadline):
 
 * ``traffic``   — bytes per optimizer step (total and inter-node, per collective) for
-                  the default ``zeal train`` GPT on 4 ranks = 2 nodes x 2, ZeRO-3 vs
+                  ``zeal train --model gpt``'s GPT on 4 ranks = 2 nodes x 2, ZeRO-3 vs
                   each ZeRO++ technique alone vs all three, fp32 and bf16.
 * ``converge``  — the default GPT trained on the stdlib corpus, all three on vs
                   ZeRO-3 (same seed, same data order); held-out loss curves + PNG.
@@ -49,13 +49,13 @@ VARIANTS = {
 
 
 def _setup(steps: int, micro: int, lws: int, precision: str, zeropp: dict, persistence: int | None):
-    """(spec, engine config) of the default `zeal train` job with these overrides."""
+    """(spec, engine config) of `zeal train --model gpt` (the from-scratch GPT job) with these overrides."""
     from zeal.config.job import JobSection, JobSpec, merge_engine_config, resolve_precision
     from zeal.utils.process import apply_process_settings
 
     apply_process_settings()  # as `zeal train` does (huge pages), before any tensor
 
-    job = JobSection(steps=steps, nproc=1, checkpoint=False, precision=precision)
+    job = JobSection(hf_model="gpt", steps=steps, nproc=1, checkpoint=False, precision=precision)
     zo: dict = {"stage": 3, **zeropp}
     if persistence is not None:
         zo["stage3_param_persistence_threshold"] = persistence

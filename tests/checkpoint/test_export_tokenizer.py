@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("export-tok")
     env = dict(os.environ, PYTHONPATH=str(ROOT), ZEAL_CACHE=str(root / "cache"),
                PYTHONWARNINGS="ignore::FutureWarning")
-    zeal(env, "train", "--nproc", "1", "--steps", "40", "--run-dir", str(root / "run"), "--precision", "fp32",
+    zeal(env, "train", "--nproc", "1", "--steps", "40", "--run-dir", str(root / "run"), "--precision", "fp32", "--model", "gpt",
          "--data.max_bytes", "200000", "--data.vocab_size", "512", "--data.seq_len", "64", "--model.n_layer", "2",
          "--model.n_embd", "64", "--job.eval_interval", "0", "--job.eval_batches", "1", "--job.sample_tokens", "0")
     return root / "run", env

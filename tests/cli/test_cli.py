@@ -53,7 +53,7 @@ def test_console_script_runs_from_a_subprocess():
     (["train", "--micro-batch", "3", "--train_batch_size", "16"], "train_batch_size 16"),
     (["train", "--job.precision", "fp8"], "job.precision"),
     (["train", "--config", "/nonexistent.json"], "/nonexistent.json"),
-    (["train", "--model", "/nonexistent"], "--data"),
+    (["train", "--model", "/nonexistent"], "/nonexistent"),
     (["train", "--steps"], "--steps"),
     (["estimate", "--budget", "lots"], "--budget"),
     (["estimate", "--n-embd", "100", "--n-head", "3"], "--n-head"),
@@ -97,8 +97,9 @@ def test_config_file_and_flags_build_the_spec(tmp_path):
         "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "zero_optimization": {"stage": 1},
         "model": {"n_layer": 2}, "job": {"steps": 7}, "data": {"seq_len": 64}}))
     parser, _ = build_parser("train")
-    args, extra = parser.parse_known_args(["train", "--config", str(cfg), "--zero-stage", "2", "--model.n_embd", "64",
-                                           "--job.eval_interval=5", "--optimizer.params.lr", "3e-4"])
+    args, extra = parser.parse_known_args(["train", "--config", str(cfg), "--model", "gpt", "--zero-stage", "2",
+                                           "--model.n_embd", "64", "--job.eval_interval=5",
+                                           "--optimizer.params.lr", "3e-4"])
     spec = build_spec(args, extra)
     assert (spec.model.n_layer, spec.model.n_embd, spec.job.steps, spec.job.eval_interval) == (2, 64, 7, 5)
     assert spec.data.seq_len == 64
@@ -116,7 +117,7 @@ def test_resume_inherits_the_runs_model_and_data(tmp_path):
 
     run = tmp_path / "run"
     write_spec(JobSpec.model_validate({"model": {"n_layer": 6, "n_embd": 64}, "data": {"seq_len": 64},
-                                       "job": {"run_dir": str(run)}}), run / "config.json")
+                                       "job": {"run_dir": str(run), "hf_model": "gpt"}}), run / "config.json")
     parser, _ = build_parser("train")
     args, extra = parser.parse_known_args(["train", "--resume", "--run-dir", str(run), "--model.n_embd", "32",
                                            "--zero-stage", "1"])

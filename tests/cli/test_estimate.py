@@ -257,3 +257,33 @@ def test_estimate_command(capsys, tmp_path):
                "slack", "device", "checkpointing", "micro_batch"}
     assert all(columns <= set(p) for p in data["plans"]) and columns <= set(data["recommended_plan"])
     assert main(["estimate", "--budget", "1KB"]) == 1
+
+
+# The default `zeal train` job (docs/default_job.md): SmolLM2-135M-Instruct's config.json, and the peak
+# RSS per rank its summary.json reported (max over its 2 ranks) over 4 training seeds, on 2 CPU cores
+# (/work/scratch-first/s4/seeds.sh: `zeal train`, `zeal train --seed 1|2|3`).
+SMOLLM2_CONFIG = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+                  "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+                  "tie_word_embeddings": True}
+DEFAULT_JOB_PEAK_MIB = (1975.2, 2003.0)  # lowest and highest rank peak; zeal estimate: 1745.8
+
+
+def test_estimate_of_the_default_job_is_within_15_percent_of_its_measured_peak(capsys, tmp_path):
+    """`zeal estimate --hf-config smollm2 --micro-batch 2` (the README's command for the default
+    job) against the peaks measured; the job's settings are checked to be the ones measured, so a
+    change of the default job asks for a new measurement here."""
+    from zeal.config.job import SMOLLM2_HIDDEN_SIZE, JobSpec, default_engine_config
+
+    spec = JobSpec()
+    engine = default_engine_config(spec.job)
+    assert (spec.job.hf_model, spec.job.nproc, spec.data.seq_len, engine["train_micro_batch_size_per_gpu"],
+            engine["zero_optimization"]["stage"]) == ("smollm2", 2, 128, 2, 3)
+    assert SMOLLM2_CONFIG["hidden_size"] == SMOLLM2_HIDDEN_SIZE
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(SMOLLM2_CONFIG))
+    assert main(["estimate", "--hf-config", str(cfg), "--micro-batch", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == 134_515_008  # the job's "134.52M params"
+    stage3 = next(p for p in data["plans"] if (p["stage"], p["offload"]) == (3, "none"))
+    for measured in DEFAULT_JOB_PEAK_MIB:
+        assert abs(stage3["device"] / 2**20 - measured) <= 0.15 * measured, (stage3["device"] / 2**20, measured)

@@ -16,7 +16,7 @@ import pytest
 from zeal.cli.rank_errors import clear_rank_errors, first_rank_error, one_line, record_rank_error
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--data.max_bytes", "100000", "--data.vocab_size", "300", "--model.n_layer", "1", "--model.n_embd", "32",
+TINY = ["--model", "gpt", "--data.max_bytes", "100000", "--data.vocab_size", "300", "--model.n_layer", "1", "--model.n_embd", "32",
         "--data.seq_len", "32", "--job.eval_batches", "1", "--job.sample_tokens", "0", "--job.eval_interval", "0"]
 
 

@@ -129,8 +129,9 @@ def test_train_section_flags_come_from_the_job_tree(capsys, tmp_path):
     from zeal.cli.train import JOB_SECTIONS, build_spec
 
     parser, _ = build_parser("train")
-    args, extra = parser.parse_known_args(["train", "--steps", "7", "--model.n_layer", "3", "--job.checkpoint",
-                                           "false", "--job.eval-interval", "5", "--process.num_threads", "2",
+    args, extra = parser.parse_known_args(["train", "--model", "gpt", "--steps", "7", "--model.n_layer", "3",
+                                           "--job.checkpoint", "false", "--job.eval-interval", "5",
+                                           "--process.num_threads", "2",
                                            "--job.steps", "9", "--run-dir", str(tmp_path / "r")])
     assert extra == ["--job.eval-interval", "5"]  # a dashed spelling still reaches the dotted overrides
     spec = build_spec(args, extra)

@@ -140,7 +140,7 @@ def test_zeal_train_resolves_auto_from_its_flags_and_saves_it(tmp_path):
         "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto"}}))
     parser, _ = build_parser("train")
     args, extra = parser.parse_known_args(["train", "--config", str(ds), "--lr", "2e-3", "--grad-accum", "3",
-                                           "--steps", "50", "--precision", "fp32"])
+                                           "--steps", "50", "--precision", "fp32", "--model", "gpt"])
     e = build_spec(args, extra).engine
     assert "auto" not in json.dumps(e)
     assert e["train_micro_batch_size_per_gpu"] == 8 and e["gradient_accumulation_steps"] == 3  # default, flag

@@ -27,7 +27,7 @@ def _spec(tmp_path, run, steps, resume=False):
     text = tmp_path / "text.txt"
     if not text.exists():
         text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
-    job = {"steps": steps, "nproc": 1, "run_dir": str(tmp_path / run), "eval_batches": 1, "eval_interval": 0,
+    job = {"hf_model": "gpt", "steps": steps, "nproc": 1, "run_dir": str(tmp_path / run), "eval_batches": 1, "eval_interval": 0,
            "save_interval": 3, "sample_tokens": 0, "report_to": "none", "resume": resume, "precision": "fp32",
            "lr": LR, "lr_warmup_tokens": 64, "lr_decay_tokens": 400, "lr_decay_style": "linear", "min_lr": 1e-4}
     engine = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 1},

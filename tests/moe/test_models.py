@@ -81,7 +81,7 @@ def test_gpt_moe_trains_through_initialize():
     from zeal.train.job import build_model
 
     spec = JobSpec.model_validate({"model": {"n_layer": 2, "n_embd": 16, "n_head": 2, "num_experts": 4, "top_k": 2},
-                                   "data": {"seq_len": 16}})
+                                   "data": {"seq_len": 16}, "job": {"hf_model": "gpt"}})
     factory = build_model(spec, 61)  # zeal train's model: built on the meta device, materialised by ZeRO
     engine = zeal.initialize(factory, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
                                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})

@@ -62,3 +62,29 @@ def test_sample_forwards_have_one_shape():
     sample(engine, _Ids([1, 2, 3]), "", 48, 0.8, 40, 128, 1)
     assert shapes == {(1, 128)}
     assert rss_mib() - before < 40  # the old growing context: ~150 MiB over 48 new lengths here
+
+
+def test_llama_sample_uses_a_kv_cache_and_matches_a_plain_greedy_loop():
+    """zeal's Llama (the default job's SmolLM2) samples one token per forward with its keys
+    and values cached (zeal.train.cached_sample): the same tokens as a plain greedy loop over
+    the whole growing context, and no forward longer than the prompt."""
+    from zeal.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    engine = zeal.initialize(model, {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    lengths = []
+    handle = engine.module.register_forward_pre_hook(
+        lambda _m, args, kw: lengths.append((args[0] if args else kw["input_ids"]).shape[-1]), with_kwargs=True)
+    try:
+        got = sample(engine, _Ids([5, 9, 3]), "", 20, 0.0, 0, 16, 0)
+    finally:
+        handle.remove()
+    assert lengths == [3] + [1] * 19
+    ids = torch.tensor([[5, 9, 3]])
+    with torch.no_grad(), engine.gathered_parameters():
+        for _ in range(20):
+            ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert got == ids[0].tolist()

@@ -67,7 +67,15 @@ def _fine_tuned_folder(run: Path) -> Path | None:
     except (OSError, ValueError):
         return None
     hf = (spec.get("job") or {}).get("hf_model") if isinstance(spec, dict) else None
-    return Path(hf) if hf and (Path(hf) / "tokenizer_config.json").is_file() else None
+    if not hf:
+        return None
+    from zeal.models.hf import model_folder  # 'smollm2' names the embedded model's cached folder
+
+    try:
+        folder = model_folder(hf)
+    except FileNotFoundError:  # the embedded model's package is gone
+        return None
+    return folder if (folder / "tokenizer_config.json").is_file() else None
 
 
 def _read_json(path: Path) -> dict:

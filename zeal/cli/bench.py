@@ -6,7 +6,8 @@ the growth of peak RSS over the process's size before the model was built (torch
 gloo and the data), and the planner's per-rank peak estimate (model states, the
 step's working memory, the process baseline and allocator slack: `zeal estimate
 --device cpu`), with the relative error of the estimate against the peak RSS.
-Shape flags are those of `zeal train` (``--model.n_embd 512`` ...).
+The model is zeal's GPT (`zeal train --model gpt`); shape flags are those of `zeal train`
+(``--model.n_embd 512`` ...).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def run(args: argparse.Namespace, extra: list[str] | None = None) -> int:
     rows = []
     for stage in args.stages:
         run_dir = out / f"stage{stage}"
-        cmd = [sys.executable, "-m", "zeal.cli.main", "train", "--zero-stage", str(stage), "--nproc",
-               str(args.nproc), "--steps", str(args.steps), "--precision", args.precision, "--run-dir",
+        cmd = [sys.executable, "-m", "zeal.cli.main", "train", "--model", "gpt", "--zero-stage", str(stage),
+               "--nproc", str(args.nproc), "--steps", str(args.steps), "--precision", args.precision, "--run-dir",
                str(run_dir), "--job.sample_tokens", "0", "--job.eval_interval", "0", "--job.eval_batches", "1",
                "--job.checkpoint", "false", "--job.log_interval", str(max(1, args.steps)), *extra]
         print(f"bench: stage {stage} ...", flush=True)

@@ -47,7 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "estimate", help="per-rank memory for every ZeRO stage and offload; pick one for a budget",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("--hf-config", metavar="JSON", help="a Hugging Face config.json (or its folder)")
+    p.add_argument("--hf-config", metavar="JSON", help="a Hugging Face config.json (or its folder; 'smollm2': the "
+                                                     "embedded SmolLM2-135M-Instruct, the default `zeal train` job's)")
     p.add_argument("--n-layer", type=int, default=4, help="zeal GPT layers (default 4)")
     p.add_argument("--n-embd", type=int, default=128, help="zeal GPT hidden size (default 128)")
     p.add_argument("--n-head", type=int, default=4, help="zeal GPT heads (default 4)")
@@ -79,10 +80,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _hf_config_path(name: str) -> Path:
+    """The config.json of ``--hf-config``: a file, a folder holding one, or the embedded model's name."""
+    from zeal.config.job import SMOLLM2_NAMES
+
+    if name in SMOLLM2_NAMES:
+        from zeal.models.hf import model_folder
+
+        return model_folder(name) / "config.json"
+    path = Path(name)
+    return path / "config.json" if path.is_dir() else path
+
+
 def _shape(args: argparse.Namespace) -> ModelShape:
     if args.hf_config:
-        path = Path(args.hf_config)
-        path = path / "config.json" if path.is_dir() else path
+        path = _hf_config_path(args.hf_config)
         if not path.is_file():
             raise ValueError(f"--hf-config {args.hf_config!r}: no such file")
         try:
@@ -106,8 +118,7 @@ def _lora(args: argparse.Namespace, section):
         return None
     hf = {}
     if args.hf_config:
-        path = Path(args.hf_config)
-        hf = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        hf = json.loads(_hf_config_path(args.hf_config).read_text())
     return LoraSpec.from_config(section, hf.get("num_key_value_heads"), hf.get("head_dim"))
 
 

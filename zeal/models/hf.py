@@ -298,3 +298,14 @@ def default_model_path() -> Path:
     if not (out / "model.safetensors").exists():
         convert_gguf(ggufs[0], out)
     return out
+
+
+def model_folder(hf_model: str | None) -> Path | None:
+    """The Hugging Face folder a job's ``job.hf_model`` names: None for zeal's GPT trained from
+    scratch, the embedded model's cached folder for 'smollm2' (:func:`default_model_path`:
+    converted from its GGUF on first use, said on the console), else the path as given."""
+    from zeal.config.job import SMOLLM2_NAMES
+
+    if hf_model is None:
+        return None
+    return default_model_path() if hf_model in SMOLLM2_NAMES else Path(hf_model)

@@ -23,9 +23,17 @@ from typing import Any
 
 import torch
 
-from zeal.config.job import JobSpec, read_spec, resolve_auto, resolve_precision, write_spec  # noqa: F401 - read_spec re-exported
+from zeal.config.job import (  # noqa: F401 - read_spec re-exported
+    SMOLLM2_NAMES,
+    JobSpec,
+    read_spec,
+    resolve_auto,
+    resolve_precision,
+    write_spec,
+)
 from zeal.dist.comm import Comm
 from zeal.models.gpt import sample_next
+from zeal.models.hf import load_hf_model, model_folder
 from zeal.train import data_efficiency_job
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
 from zeal.utils.flops import flops_per_token, peak_flops
@@ -46,7 +54,7 @@ def prepare_data(spec: JobSpec) -> tuple[Any, Any]:
     d = spec.data
     corpus = file_corpus(d.path) if d.path else stdlib_corpus(d.max_bytes)
     if spec.job.hf_model:
-        tok_path = Path(spec.job.hf_model) / "tokenizer.json"
+        tok_path = model_folder(spec.job.hf_model) / "tokenizer.json"
         if not tok_path.is_file():
             raise ValueError(f"job.hf_model {spec.job.hf_model!r} has no tokenizer.json")
         tokenizer = Tokenizer.from_file(str(tok_path))
@@ -67,8 +75,13 @@ def _say(msg: str) -> None:
 def build_model(spec: JobSpec, vocab_size: int) -> torch.nn.Module | Callable[[], torch.nn.Module]:
     """The Hugging Face model to fine-tune, or a factory of the fresh zeal GPT: the
     engine calls it on the meta device and materialises the parameters shard by
-    shard, so under ZeRO-3 no rank ever holds the whole model."""
+    shard, so under ZeRO-3 no rank ever holds the whole model. The embedded model
+    (SmolLM2) is zeal's own Llama, loaded as ``zeal serve`` loads it (no transformers
+    needed: the default job runs on the core install); other folders go through
+    transformers' ``AutoModelForCausalLM``."""
     if spec.job.hf_model:
+        if spec.job.hf_model in SMOLLM2_NAMES:  # as zeal serve loads it (zeal.inference.loader), in fp32:
+            return load_hf_model(model_folder(spec.job.hf_model), torch.float32)[0]  # the engine keeps its masters
         try:
             from transformers import AutoModelForCausalLM
         except ImportError:
@@ -128,7 +141,15 @@ def sample(engine: Any, tokenizer: Any, prompt: str, max_new_tokens: int, temper
     context is right-padded to ``seq_len`` and the logits are read at its last real
     position (causal attention: the padding after it changes nothing). A forward per
     new length made the CPU kernels cache one set of buffers per shape: +145 MiB per
-    rank over a 64-token sample, the default job's peak."""
+    rank over a 64-token sample, the default job's peak. zeal's Llama (the default job's
+    SmolLM2) samples with its weights gathered once and a key/value cache instead
+    (:mod:`zeal.train.cached_sample`): a 128-token forward per token is ~100x the work there."""
+    from zeal.models.llama import Llama
+
+    if isinstance(engine.module, Llama):
+        from zeal.train.cached_sample import cached_sample
+
+        return cached_sample(engine, tokenizer, prompt, max_new_tokens, temperature, top_k, seed)
     engine.eval()
     ids = torch.tensor([tokenizer.encode(prompt).ids or [0]], dtype=torch.long)
     gen = torch.Generator().manual_seed(seed)
