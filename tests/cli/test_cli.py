@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from zeal.cli.main import COMMANDS, main
+from zeal.cli.overrides import UsageError
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,3 +125,21 @@ def test_resume_inherits_the_runs_model_and_data(tmp_path):
     spec = build_spec(args, extra)
     assert (spec.model.n_layer, spec.model.n_embd, spec.data.seq_len) == (6, 32, 64)
     assert spec.engine["zero_optimization"]["stage"] == 1 and spec.job.resume
+
+
+def test_resume_of_a_fine_tuning_run_keeps_its_model_and_data(tmp_path):
+    """`zeal train --resume` of the default job (SmolLM2) or of any fine-tuning run: the model
+    and data come from the run, and the run's (unused) GPT shape section is not read back as
+    --model.* flags (that refused every fine-tuning resume)."""
+    from zeal.cli.main import build_parser
+    from zeal.cli.train import build_spec
+    from zeal.train.job import JobSpec, write_spec
+
+    run = tmp_path / "run"
+    write_spec(JobSpec.model_validate({"data": {"seq_len": 96}, "job": {"run_dir": str(run)}}), run / "config.json")
+    parser, _ = build_parser("train")
+    spec = build_spec(*parser.parse_known_args(["train", "--resume", "--run-dir", str(run)]))
+    assert (spec.job.hf_model, spec.data.seq_len, spec.job.resume) == ("smollm2", 96, True)
+    args, extra = parser.parse_known_args(["train", "--resume", "--run-dir", str(run), "--model.n_layer", "2"])
+    with pytest.raises(UsageError, match="add --model gpt"):
+        build_spec(args, extra)
