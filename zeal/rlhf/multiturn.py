@@ -168,8 +168,8 @@ class ToolEnv:
         an end-of-turn token the policy produced itself), then the tool messages and the
         next generation prompt. The policy's own text stands for its turn: a template that
         renders ``tool_calls`` apart from the content (Qwen / Hermes style) would otherwise
-        write the call a second time into the context (as TRL, which appends only the
-        tool messages' rendering to the policy's tokens)."""
+        write the call a second time into the context. TRL likewise appends only the tool
+        messages' rendering to the policy's tokens."""
         if not (turn.startswith(before) and full.startswith(turn)):
             raise ValueError("the chat template does not render a conversation as a prefix of its continuation; "
                              "multi-turn episodes need one that does")
