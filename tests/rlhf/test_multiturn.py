@@ -111,6 +111,32 @@ def test_tool_outputs_carry_mask_zero_and_tokens_follow_the_template():
     assert env3.step(Action([5], "8", "stop"))[2] is True
 
 
+# a template that, like Qwen's / Hermes', writes an assistant turn's tool_calls after its content
+SEPARATE_CALLS = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}{% for c in m.get('tool_calls') or [] %}"
+                  " {{ c['function']['name'] }}{% endfor %} <eos> {% endfor %}"
+                  "{% if add_generation_prompt %}assistant : {% endif %}")
+
+
+def test_a_template_rendering_tool_calls_apart_does_not_repeat_the_call():
+    """The policy's own tokens stand for its tool-calling turn: the observation is the
+    template's close of a turn, then the tool messages and the next prompt, never the call
+    rendered a second time from ``tool_calls`` (the old observation was the rest of the
+    re-rendered turn: ``calculator <eos> tool : 8 ...``)."""
+    from zeal.inference.sampling_params import SamplingParams
+    from zeal.inference.tokenizer import Tokenizer
+
+    base, _ = make_tokenizer()
+    tok = Tokenizer(base.tok, {"eos_token": "<eos>", "chat_template": SEPARATE_CALLS})
+    fns, specs = tools.builtin_tools()
+    env = ToolEnv(tok, {"prompt": "What is 4*2 ?", "answer": 8}, fns, specs, [verifiers.math_answer_reward])
+    (ro,), (reward,) = run_episodes(ScriptedHybrid(tok, [call("4*2"), "8"]), [env], SamplingParams(max_tokens=4),
+                                    max_turns=3)
+    assert reward == 1.0 and env.calls == 1
+    words = [tok.decode([t], skip_special_tokens=False) for t in ro.output_ids]
+    assert words == [call("4*2"), "<eos>", "tool", ":", "8", "<eos>", "assistant", ":", "8", "<eos>"]
+    assert ro.loss_mask == [1, 1, 0, 0, 0, 0, 0, 0, 1, 1]
+
+
 def test_tool_reward_is_paid_with_the_final_answer_only():
     """The shaping bonus comes with a final answer after a successful call; an episode cut
     while still calling earns none (paid per call, a policy learned to call on every turn)."""

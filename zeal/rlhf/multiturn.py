@@ -140,10 +140,11 @@ class ToolEnv:
         results = [{"role": "tool", "tool_call_id": c["id"], "name": c["function"]["name"],
                     "content": self._run(c["function"])} for c in calls]
         turn = self.tok.render_chat(self.messages + [asst], add_generation_prompt=False, tools=self.specs)
+        closing = self._closing()
         self.messages += [asst] + results
         full = self.tok.render_chat(self.messages, tools=self.specs)
         self.tool_ok = self.tool_ok or not any(m["content"].startswith("error:") for m in results)
-        return self._observation(before, turn, full, action), 0.0, False
+        return self._observation(before, turn, full, closing, action), 0.0, False
 
     def _run(self, function: dict) -> str:
         try:
@@ -152,17 +153,27 @@ class ToolEnv:
         except Exception as e:  # a tool's failure is an observation, not a crash of the run
             return f"error: {e}"
 
-    def _observation(self, before: str, turn: str, full: str, action: Action) -> list[int]:
-        """The ids after the policy's tokens: the rest of its turn as the template closes it
-        (less an end-of-turn token the policy produced itself), then the tool messages and
-        the next generation prompt."""
+    _SENTINEL = "\u2063zeal-turn-end\u2063"
+
+    def _closing(self) -> str:
+        """What the template writes after an assistant turn's text to close it (ChatML:
+        ``<|im_end|>\n``), found by rendering a turn of sentinel text."""
+        done = self.tok.render_chat(self.messages + [{"role": "assistant", "content": self._SENTINEL}],
+                                    add_generation_prompt=False, tools=self.specs)
+        at = done.rfind(self._SENTINEL)
+        return done[at + len(self._SENTINEL):] if at >= 0 else ""
+
+    def _observation(self, before: str, turn: str, full: str, closing: str, action: Action) -> list[int]:
+        """The ids after the policy's tokens: the template's close of an assistant turn (less
+        an end-of-turn token the policy produced itself), then the tool messages and the
+        next generation prompt. The policy's own text stands for its turn: a template that
+        renders ``tool_calls`` apart from the content (Qwen / Hermes style) would otherwise
+        write the call a second time into the context. TRL likewise appends only the tool
+        messages' rendering to the policy's tokens."""
         if not (turn.startswith(before) and full.startswith(turn)):
             raise ValueError("the chat template does not render a conversation as a prefix of its continuation; "
                              "multi-turn episodes need one that does")
-        body = turn[len(before):]
-        at = body.find(action.text)
-        tail = body[at + len(action.text):] if at >= 0 else ""
-        tail_ids = self.tok.encode(tail, add_special_tokens=False) if tail else []
+        tail_ids = self.tok.encode(closing, add_special_tokens=False) if closing else []
         if tail_ids and action.ids and tail_ids[0] == action.ids[-1]:
             tail_ids = tail_ids[1:]  # the end-of-turn token the policy generated
         return tail_ids + self.tok.encode(full[len(turn):], add_special_tokens=False)
