@@ -91,6 +91,8 @@ def test_quantized_stream_equals_quantize_dequantized_resident(folder, tmp_path,
         assert st.layer_bytes[i] == off
     assert off < dense_layer * (0.3 if bits == 8 else 0.17)  # vs fp32: ~1/4 and ~1/8
     read = sum(n for _, _, n in files.pieces(0))  # the tensors (codes through scales), not the padding
+    if model.weight_streamer.pending is not None:  # the last forward's prefetch may still be reading:
+        model.weight_streamer.pending[2].result()  # its bytes are counted piece by piece, its read at the end
     assert off - 64 * len(named) < read <= off and st.bytes_read == st.reads * read
 
 
