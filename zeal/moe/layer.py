@@ -54,7 +54,9 @@ class Experts(nn.Module):
         super().__init__()
         self.deepspeed_experts = nn.ModuleDict({str(g): copy.deepcopy(expert) for g in range(num_experts)})
         self.num_experts, self.ep_size = num_experts, ep_size
-        self.template: list[nn.Module] = []  # an expert's copy while others' experts are gone (apply_global)
+        # an expert's shape on the meta device, for apply_global once other ranks' experts are gone; taken
+        # here, from the plain expert (later, tensor-parallel wrappers hold process groups that do not copy)
+        self.template: list[nn.Module] = [copy.deepcopy(expert).to("meta")]  # (a plain list: not a submodule)
         for p in self.parameters():
             p.allreduce = False
             p.group_name = f"ep_size_{ep_size}"
@@ -68,8 +70,6 @@ class Experts(nn.Module):
         lo = ep_rank * self.num_local_experts
         mine = {str(g) for g in range(lo, lo + self.num_local_experts)}
         dropped = []
-        if not self.template and len(self.deepspeed_experts):  # (a plain list: not a submodule)
-            self.template.append(copy.deepcopy(next(iter(self.deepspeed_experts.values()))).to("meta"))
         for key in list(self.deepspeed_experts.keys()):
             if key not in mine:
                 dropped += list(self.deepspeed_experts[key].parameters())
