@@ -40,6 +40,21 @@ def _sequential(cls):
     return Sequential
 
 
+def _repeat_sampler(n: int, g: int):
+    """Each of the ``n`` training rows ``g`` times in a row, in dataset order (a GRPO batch's
+    groups as zeal forms them)."""
+    from torch.utils.data import Sampler
+
+    class Repeat(Sampler):
+        def __iter__(self):
+            return iter([i for i in range(n) for _ in range(g)])
+
+        def __len__(self):
+            return n * g
+
+    return Repeat()
+
+
 def run_dpo(spec: dict) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -177,18 +192,7 @@ def run_grpo(spec: dict) -> dict:
 
     class Timed(GRPOTrainer):
         def _get_train_sampler(self, *args, **kwargs):
-            from torch.utils.data import Sampler
-
-            n = len(self.train_dataset)
-
-            class Repeat(Sampler):
-                def __iter__(self):
-                    return iter([i for i in range(n) for _ in range(G)])
-
-                def __len__(self):
-                    return n * G
-
-            return Repeat()
+            return _repeat_sampler(len(self.train_dataset), G)
 
         def _generate(self, *args, **kwargs):
             t0 = time.perf_counter()
@@ -229,7 +233,6 @@ def run_grpo_tools(spec: dict) -> dict:
     mean reward, the exact accuracy, the tool calls per episode (TRL's
     ``tools/call_frequency``) and the step's seconds."""
     from datasets import Dataset
-    from torch.utils.data import Sampler
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -284,16 +287,7 @@ def run_grpo_tools(spec: dict) -> dict:
 
     class Ordered(GRPOTrainer):
         def _get_train_sampler(self, *args, **kwargs):
-            n = len(self.train_dataset)
-
-            class Repeat(Sampler):
-                def __iter__(self):
-                    return iter([i for i in range(n) for _ in range(G)])
-
-                def __len__(self):
-                    return n * G
-
-            return Repeat()
+            return _repeat_sampler(len(self.train_dataset), G)
 
     with tempfile.TemporaryDirectory() as d:
         args = GRPOConfig(**_common_args(spec, d), per_device_train_batch_size=spec["batch_size"] * G,

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import zeal
-from tests.train.models import TinyNet, make_batches
+from tests.train.models import TinyNet
+from tests.zero.test_offload_staging import _train  # 3 steps of 2 micro-batches
 from zeal.config import ConfigError
 from zeal.zero.offload import staging as staging_mod
 from zeal.zero.optimizer import hosted_units
@@ -25,16 +26,6 @@ def _engine(stage: int, offload: dict | None):
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.1, "fused": False}}}
     torch.manual_seed(0)
     return zeal.initialize(TinyNet(), cfg)
-
-
-def _train(engine, steps: int = 3) -> dict:
-    for step in make_batches(steps, 2, 1, 2):
-        for micro in step:
-            engine.backward(engine(micro[0]))
-            engine.step()
-    state = engine.module_state_dict()
-    engine.close()
-    return state
 
 
 def test_hosted_units_follow_deepspeeds_sub_group_rule():
@@ -60,7 +51,7 @@ def test_partial_offload_equals_no_offload_and_moves_only_hosted_units(monkeypat
     assert hosted == hosted_units(n, 0.5) and 0 < sum(hosted) < n
     k = sum(hosted)
     assert zopt.staging.stats.downloads == k  # only the hosted units' initial masters crossed
-    state = _train(engine, steps=3)
+    state = _train(engine)
     # each step: one gradient download and one update upload per hosted unit, none for the others
     assert zopt.staging.stats.downloads == k + 3 * k and zopt.staging.stats.uploads == 3 * k
     for key in ref:
