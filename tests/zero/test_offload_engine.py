@@ -13,6 +13,7 @@ import torch
 
 from tests.dist_harness import run_ranks
 from tests.train.models import TinyNet, make_batches
+from tests.zero.resume import straight_and_resumed
 from zeal.config import ConfigError
 
 VARIANTS = {
@@ -97,37 +98,12 @@ def test_bad_offload_configs_fail_at_start():
 
 
 def _resume(rank, world, path, variant):
-    import zeal
-
     zo = {"stage": 3, "stage3_param_persistence_threshold": 0}
     if variant == "nvme_all":
         zo.update({"offload_optimizer": {"device": "nvme", "nvme_path": path + "/swap"},
                    "offload_param": {"device": "nvme", "nvme_path": path + "/swap"}, "sub_group_size": 300})
 
-    def engine_for(zo):
-        torch.manual_seed(0)
-        return zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zo,
-                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
-
-    batches = make_batches(6, 1, world, 2)
-
-    def train(engine, steps):
-        for step in steps:
-            engine.backward(engine(step[0][rank]))
-            engine.step()
-
-    straight = engine_for(zo)
-    train(straight, batches)
-    first = engine_for(zo)
-    train(first, batches[:3])
-    first.save_checkpoint(path + "/ckpt", tag="s3")
-    resumed = engine_for(zo)
-    resumed.load_checkpoint(path + "/ckpt", tag="s3")
-    train(resumed, batches[3:])
-    plain = engine_for({"stage": 1})  # the disk-tier checkpoint loads into a plain engine too
-    plain.load_checkpoint(path + "/ckpt", tag="s3")
-    return straight.module_state_dict(), resumed.module_state_dict(), first.module_state_dict(), \
-        plain.module_state_dict()
+    return straight_and_resumed(zo, rank, world, path, 6, {"lr": 1e-2})
 
 
 @pytest.mark.timeout(120)

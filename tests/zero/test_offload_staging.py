@@ -12,6 +12,7 @@ import torch
 
 import zeal
 from tests.train.models import TinyNet, make_batches
+from tests.zero.resume import straight_and_resumed
 from zeal.zero.offload import staging as staging_mod
 from zeal.zero.offload.staging import Staging
 from zeal.zero.shard_home import DiskShards, HostShards
@@ -197,30 +198,7 @@ def _resume_ranks(rank, world, path):
     zo = {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param": {"device": "cpu"},
           "offload_optimizer": {"device": "cpu"}}
 
-    def engine_for(zo):
-        torch.manual_seed(0)
-        return zeal.initialize(TinyNet(), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zo,
-                                           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "fused": False}}})
-
-    batches = make_batches(4, 1, world, 2)
-
-    def train(engine, steps):
-        for step in steps:
-            engine.backward(engine(step[0][rank]))
-            engine.step()
-
-    straight = engine_for(zo)
-    train(straight, batches)
-    first = engine_for(zo)
-    train(first, batches[:2])
-    first.save_checkpoint(path + "/ckpt", tag="t")
-    resumed = engine_for(zo)
-    resumed.load_checkpoint(path + "/ckpt", tag="t")
-    train(resumed, batches[2:])
-    plain = engine_for({"stage": 1})
-    plain.load_checkpoint(path + "/ckpt", tag="t")
-    out = (straight.module_state_dict(), resumed.module_state_dict(), first.module_state_dict(),
-           plain.module_state_dict())
+    out = straight_and_resumed(zo, rank, world, path, 4, {"lr": 1e-2, "fused": False})
     staging_mod.FORCE_CROSSING = False
     return out
 

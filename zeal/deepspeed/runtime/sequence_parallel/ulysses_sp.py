@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from zeal.deepspeed.refusals import RefusedName
+from zeal.deepspeed.refusals import Refused, RefusedName
 from zeal.deepspeed.runtime.sequence_parallel import parallel_state_sp
 
 MARK = "_zeal_deepspeed_ulysses"  # set on the model: its sp size
@@ -44,9 +44,9 @@ class UlyssesSPAttentionHF(torch.nn.Module):
     (the attention itself is :func:`zeal.parallel.ulysses.register_hf_attention`'s)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("UlyssesSPAttentionHF is built by zeal when deepspeed.initialize runs with "
-                                  "sequence_parallel_size > 1: call UlyssesSPAttentionHF.register_with_transformers("
-                                  "model, ...) and pass its mpu")
+        raise Refused("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF(...)",
+                      "zeal builds the attention when deepspeed.initialize runs with sequence_parallel_size > 1: "
+                      "call UlyssesSPAttentionHF.register_with_transformers(model, ...) and pass its mpu")
 
     @classmethod
     def register_with_transformers(cls, model_name_or_path: Any, core_attn_implementation: str,
