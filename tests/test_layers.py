@@ -175,16 +175,9 @@ def test_an_upward_import_fails(tmp_path):
 
 # -- no import cycles between zeal modules ---------------------------------------------------
 # A cycle hides a dependency direction (which module is the lower one?) even inside a package,
-# and a lazy import only hides it from the interpreter. Every import counts, as above; the
-# cycles of today are listed with the way out, and the list may only shrink.
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"zeal.zero.estimate", "zeal.zero.estimate_lora"}):
-        "the LoRA planner reuses the dense planner and is offered by it; out: the caller picks the planner",
-    frozenset({"zeal.deepspeed.runtime.zero.partition_parameters", "zeal.deepspeed.zero"}):
-        "DeepSpeed's module path re-exports the facade's zero.Init, which names it; out: one defining module",
-    frozenset({"zeal.parallel.sequence", "zeal.parallel.sequence_pipe"}):
-        "the pipeline variant of Ulysses and the plain one refer to each other; out: a shared core module",
-}
+# and a lazy import only hides it from the interpreter. Every import counts, as above; an
+# allowed cycle would be listed with its way out, and the list may only shrink (it is empty).
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}  # none left: the last three were broken in the fifth session
 
 
 @functools.cache

@@ -70,3 +70,17 @@ def test_estimate_cli_lora_and_qlora(tmp_path, capsys):
     assert qlora["params"] + qlora["grads"] + qlora["optimizer"] == planned_states(3, 2, "int8")
     assert main(["estimate", "--hf-config", str(tmp_path), "--lora", "target_modules=nope"]) == 2
     assert "matches none of the block's linears" in capsys.readouterr().err
+
+
+def test_the_dense_planner_hands_a_lora_spec_its_own_planner():
+    """``plan(lora=spec)`` (what `zeal estimate --lora` calls) is the LoRA planner's plan after
+    the dense planner's argument checks; zero/estimate.py imports nothing of estimate_lora."""
+    from zeal.zero.estimate import gpt_shape, plan
+    from zeal.zero.estimate_lora import LoraSpec, lora_plan
+
+    shape, spec = gpt_shape(2, 64, 4, 256, 64), LoraSpec(4, ("c_attn",))
+    kw = dict(micro_batch=2, seq_len=32, checkpointing=True, host=False)
+    assert plan(shape, 2, 3, "cpu_optimizer", lora=spec, **kw) == lora_plan(shape, 2, 3, "cpu_optimizer", spec, **kw)
+    assert plan(shape, 2, 2, lora=spec).notes and not plan(shape, 2, 2).notes
+    with pytest.raises(ValueError, match="needs zero_optimization.stage 3"):
+        plan(shape, 2, 2, "nvme_params", lora=spec)

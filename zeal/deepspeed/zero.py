@@ -9,9 +9,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from enum import Enum
 from typing import Any
 
 import torch
+
+
+class ZeroParamStatus(Enum):
+    """Where a ZeRO-3 parameter's values are (DeepSpeed's enum; also at DeepSpeed's path
+    ``deepspeed.runtime.zero.partition_parameters``)."""
+
+    AVAILABLE = 1      # whole on every rank
+    NOT_AVAILABLE = 2  # partitioned
+    INFLIGHT = 3       # being gathered
+
+
+class ZeroParamType(Enum):
+    """How a ZeRO-3 parameter is held (DeepSpeed's enum)."""
+
+    NORMAL = 1       # not partitioned
+    PARTITIONED = 2  # partitioned, a placeholder in the module
+    REMOTE = 3       # offloaded
 
 
 class Init:
@@ -102,8 +120,6 @@ def GatheredParameters(params: torch.Tensor | Iterable[torch.Tensor], modifier_r
 @contextlib.contextmanager
 def _available(params: list[torch.Tensor]) -> Iterator[None]:
     """DeepSpeed's ``ds_status`` of marked parameters reads AVAILABLE inside the block."""
-    from zeal.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
     for p in params:
         p.ds_status = ZeroParamStatus.AVAILABLE
     try:
@@ -120,8 +136,6 @@ def mark_partitioned(module: torch.nn.Module) -> None:
     ``ds_status`` (NOT_AVAILABLE; AVAILABLE inside :func:`GatheredParameters`). Only the
     ``deepspeed`` facade sets them, for scripts written against DeepSpeed; zeal itself
     reads none of them (its ZeRO-3 state is in its own side table)."""
-    from zeal.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
     for i, p in enumerate(module.parameters()):
         p.ds_id, p.ds_numel, p.ds_shape = i, p.numel(), p.shape
         p.ds_status = ZeroParamStatus.NOT_AVAILABLE

@@ -39,9 +39,12 @@ from zeal.dist.mesh import Mesh
 from zeal.models.hf_tiled import head_params, hf_lm_parts
 from zeal.models.moe_mlp import moe_aux_loss
 from zeal.models.tiled import NumShards, tiled_logits_loss
+from zeal.parallel.sequence_pipe import shard_stage
+from zeal.parallel.sequence_shard import IGNORE, sequence_loss, shard_batch
 from zeal.parallel.ulysses import UlyssesAttention, register_hf_attention
 
-IGNORE = -100
+__all__ = ["IGNORE", "SequenceParallel", "apply_sequence_parallel", "gather_sequence", "is_hf_model",
+           "sequence_loss", "shard_batch"]
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -62,8 +65,6 @@ def apply_sequence_parallel(model: nn.Module, mesh: Mesh, stage: Any = None) -> 
                          "supported (its forward takes the router loss per chunk): load it as zeal's Llama "
                          "(zeal.models.hf_moe) or use sequence_parallel_size 1")
     if stage is not None:
-        from zeal.parallel.sequence_pipe import shard_stage
-
         shard_stage(stage, model, mesh.sp)
         return None
     if is_hf_model(model):
@@ -174,7 +175,7 @@ class SequenceParallel:
         if self.deepspeed_chunk_loss is not None and own:
             loss = self._deepspeed_chunk(total, count)
         else:
-            loss = self._with_aux(_SequenceLoss.apply(total, count.to(torch.float64), self.comm))
+            loss = self._with_aux(sequence_loss(total, count, self.comm))
         if not self.hf:
             return loss
         from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -190,7 +191,7 @@ class SequenceParallel:
 
     def _loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         local, count = _chunk_sum(logits, y)
-        return _SequenceLoss.apply(local, count.to(torch.float64), self.comm)
+        return sequence_loss(local, count, self.comm)
 
     def _deepspeed_chunk(self, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's chunk loss: this chunk's mean over its counted tokens (NaN when it has
@@ -205,52 +206,6 @@ def _chunk_sum(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, tor
     local = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1),
                             ignore_index=IGNORE, reduction="sum")
     return local, (y != IGNORE).sum()
-
-
-def shard_batch(ids: torch.Tensor, labels: torch.Tensor | None, pos: torch.Tensor | None,
-                comm: Comm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """This rank's chunk of full sequences ``ids`` (B, T): (ids, global positions, shifted
-    labels or None, T). Labels are shifted before sharding; T is padded to a multiple of
-    S (pad labels -100, pad positions repeat the last one)."""
-    s, r = comm.size, comm.ranks.index(comm.ctx.rank)
-    b, t = ids.shape
-    if pos is None:
-        pos = torch.arange(t, device=ids.device)
-    pos = pos.expand(b, t)
-    y = None
-    if labels is not None:
-        labels = labels.reshape(b, t)
-        y = F.pad(labels[:, 1:], (0, 1), value=IGNORE)  # shift BEFORE sharding
-    pad = -t % s
-    if pad:
-        ids = F.pad(ids, (0, pad), value=0)
-        pos = torch.cat([pos, pos[:, -1:].expand(b, pad)], dim=1)
-        y = None if y is None else F.pad(y, (0, pad), value=IGNORE)
-    n = (t + pad) // s
-    cut = slice(r * n, (r + 1) * n)
-    return ids[:, cut], pos[:, cut], None if y is None else y[:, cut], t
-
-
-def sequence_loss(total: torch.Tensor, count: torch.Tensor, comm: Comm) -> torch.Tensor:
-    """The whole sequences' mean from this chunk's loss sum and token count (see the module
-    docstring: the value on every sp rank, S / count per token in backward)."""
-    return _SequenceLoss.apply(total, count.to(torch.float64), comm)
-
-
-class _SequenceLoss(torch.autograd.Function):
-    """sum over sp of the chunks' loss sums / their token count; backward: S / count."""
-
-    @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, count: torch.Tensor, comm: Comm) -> torch.Tensor:
-        both = torch.stack([local.detach().to(torch.float64), count])
-        comm.all_reduce(both, "control")
-        total = both[1].clamp(min=1)
-        ctx.scale = comm.size / float(total)
-        return (both[0] / total).to(local.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return g * ctx.scale, None, None
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -8,7 +8,7 @@ GPT/Llama :class:`~zeal.pipe.stages.Stage` sequence-parallel in place:
 * every pass runs its blocks with Ulysses attention over ``sp`` and numbers its tokens
   with this rank's global positions (``r·n + arange(n)`` for a chunk of ``n``);
 * the first stage's first pass takes the full sequences the engine draws and keeps this
-  rank's chunk (padded to a multiple of S, as :func:`~zeal.parallel.sequence.shard_batch`);
+  rank's chunk (padded to a multiple of S, as :func:`~zeal.parallel.sequence_shard.shard_batch`);
 * the last stage's loss shifts the full labels, keeps this rank's chunk of them and
   returns the whole sequences' mean (sums and token counts all-reduced over sp; tiled
   over rows when ``tiling.tiled_logits_loss`` set the model's ``loss_shards``).
@@ -29,7 +29,7 @@ from torch import nn
 from zeal.dist.comm import Comm
 from zeal.models.hf_tiled import head_params
 from zeal.models.tiled import tiled_logits_loss
-from zeal.parallel.sequence import IGNORE, sequence_loss, shard_batch
+from zeal.parallel.sequence_shard import IGNORE, sequence_loss, shard_batch
 from zeal.parallel.ulysses import UlyssesAttention
 from zeal.pipe.stages import Stage
 

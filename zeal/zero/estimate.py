@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 OFFLOADS = ("none", "cpu_optimizer", "nvme_optimizer", "cpu_params", "nvme_params")
 """Offload choices. ``cpu_params``/``nvme_params`` (stage 3 only) move the optimizer
@@ -283,12 +284,24 @@ def step_temporary_bytes(num_params: int, world_size: int, stage: int, mixed_pre
     return (4 * owned if mixed_precision else 0) + (c * owned if stage == 1 else 0)
 
 
+class Variant(Protocol):
+    """A training variant with its own planner, which :func:`plan` hands the work to once
+    the arguments are checked: :class:`zeal.zero.estimate_lora.LoraSpec` (adapters on a
+    frozen base). The variant's planner builds on this module's parts; this module knows
+    only this protocol, so the dependency runs one way."""
+
+    def plan(self, shape: ModelShape, world_size: int, stage: int, offload: str, **kw: Any) -> Plan:
+        """The variant's :class:`Plan`, with :func:`plan`'s keyword arguments."""
+        ...
+
+
 def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", *, micro_batch: int = 1,
          seq_len: int = 1024, mixed_precision: bool = True, flash_attention: bool = True,
-         checkpointing: bool = False, host: bool = True, lora=None) -> Plan:
+         checkpointing: bool = False, host: bool = True, lora: Variant | None = None) -> Plan:
     """Where each byte lives, per rank, at the peak of a step (see the module docstring).
     ``host``: training on CPU, so the process baseline and glibc's heap slack count.
-    ``lora``: a :class:`zeal.zero.estimate_lora.LoraSpec` (adapters on a frozen base)."""
+    ``lora``: a :class:`zeal.zero.estimate_lora.LoraSpec` (adapters on a frozen base; its
+    own planner makes the plan)."""
     if offload not in OFFLOADS:
         raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
     if offload != "none" and stage == 0:
@@ -298,9 +311,7 @@ def plan(shape: ModelShape, world_size: int, stage: int, offload: str = "none", 
     if micro_batch < 1 or seq_len < 1:
         raise ValueError("micro-batch and sequence length must be >= 1")
     if lora is not None:
-        from zeal.zero.estimate_lora import lora_plan
-
-        return lora_plan(shape, world_size, stage, offload, lora, micro_batch=micro_batch, seq_len=seq_len,
+        return lora.plan(shape, world_size, stage, offload, micro_batch=micro_batch, seq_len=seq_len,
                          mixed_precision=mixed_precision, flash_attention=flash_attention,
                          checkpointing=checkpointing, host=host)
     states = model_state_bytes(shape.num_params, world_size, stage, mixed_precision)

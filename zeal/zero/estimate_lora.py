@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from zeal.zero.estimate import (
     HOST_BASELINE_BYTES,
@@ -61,6 +62,11 @@ class LoraSpec:
         """From a :class:`zeal.config.lora.LoraConfig`."""
         tm = lc.target_modules if isinstance(lc.target_modules, str) else tuple(lc.target_modules)
         return cls(lc.r, tm, tuple(lc.modules_to_save), lc.quantize_base, lc.quant_block_size, kv_heads, head_dim)
+
+    def plan(self, shape: ModelShape, world_size: int, stage: int, offload: str, **kw: Any) -> Plan:
+        """:func:`lora_plan` of this spec: how :func:`zeal.zero.estimate.plan` (``lora=``) plans
+        it (:class:`zeal.zero.estimate.Variant`)."""
+        return lora_plan(shape, world_size, stage, offload, self, **kw)
 
 
 def block_linears(shape: ModelShape, kv_heads: int | None = None, head_dim: int | None = None

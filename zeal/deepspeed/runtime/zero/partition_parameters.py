@@ -10,7 +10,6 @@ p.ds_status == ZeroParamStatus.NOT_AVAILABLE`` test selects the parameters to ga
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import Enum
 from typing import Any
 
 import torch
@@ -19,6 +18,8 @@ from zeal.deepspeed.accelerator import get_accelerator
 from zeal.deepspeed.zero import (
     GatheredParameters,
     Init,
+    ZeroParamStatus,
+    ZeroParamType,
     register_external_parameter,
     unregister_external_parameter,
 )
@@ -36,19 +37,3 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.
     the constructor is returned as it is; transformers swaps this name around ``Init``."""
     del target_fp_dtype, target_device
     return fn
-
-
-class ZeroParamStatus(Enum):
-    """Where a ZeRO-3 parameter's values are (DeepSpeed's enum)."""
-
-    AVAILABLE = 1      # whole on every rank
-    NOT_AVAILABLE = 2  # partitioned
-    INFLIGHT = 3       # being gathered
-
-
-class ZeroParamType(Enum):
-    """How a ZeRO-3 parameter is held (DeepSpeed's enum)."""
-
-    NORMAL = 1       # not partitioned
-    PARTITIONED = 2  # partitioned, a placeholder in the module
-    REMOTE = 3       # offloaded
