@@ -57,6 +57,34 @@ def test_zeal_names_on_the_engine():
     eng.close()
 
 
+def test_the_batch_and_the_progress_are_set_through_the_engine():
+    """What the DeepSpeed facade's set_train_(micro_)batch_size and a checkpoint load change:
+    the engine's settable micro_batch / grad_accum and restore_progress (no internals)."""
+    eng = zeal.initialize(_net(), CONFIG)  # micro-batch 4, 2 accumulation steps
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+
+    def micro_step():
+        eng.backward(torch.nn.functional.mse_loss(eng(x), y))
+        eng.step()
+
+    micro_step()  # halfway through an accumulation
+    eng.restore_progress(5, 10, 40)  # a checkpoint's counters, saved after an update
+    assert (eng.global_steps, eng.micro_steps, eng.global_samples) == (5, 10, 40)
+    assert not eng.at_boundary  # a new accumulation starts: the first of 2
+    eng.grad_accum = 3
+    micro_step()
+    micro_step()
+    assert eng.global_steps == 5 and eng.at_boundary  # the third of 3 ends it
+    eng.micro_batch = 2
+    micro_step()
+    assert (eng.global_steps, eng.micro_steps, eng.global_samples) == (6, 13, 40 + 4 + 4 + 2)
+    for name in ("grad_accum", "micro_batch"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
+            setattr(eng, name, 0)
+    assert (eng.grad_accum, eng.micro_batch) == (3, 2)
+    eng.close()
+
+
 def test_deepspeed_names_on_the_facade_answer_from_zeal_names(tmp_path):
     import zeal.deepspeed as deepspeed
 
@@ -76,6 +104,8 @@ def test_deepspeed_names_on_the_facade_answer_from_zeal_names(tmp_path):
     assert ds.is_gradient_accumulation_boundary() and z.at_boundary
     ds.set_train_batch_size(16)
     assert z.grad_accum == 4
+    ds.set_train_micro_batch_size(2)
+    assert z.micro_batch == 2 and ds.train_batch_size() == 8
     ds.save_16bit_model(str(tmp_path), "m.safetensors")
     saved = load_file(tmp_path / "m.safetensors")
     assert set(saved) == {"0.weight", "0.bias", "2.weight", "2.bias"}

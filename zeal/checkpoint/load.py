@@ -212,9 +212,7 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_optimizer_stat
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CheckpointCorruptError(f"{folder / META}: 'lr_scheduler' unusable ({type(e).__name__}: {e})") \
                 from None
-    engine.global_steps, engine.micro_steps = meta["global_steps"], meta["micro_steps"]
-    engine._boundary_start = engine.micro_steps  # checkpoints are saved after an update
-    engine.global_samples = meta["global_samples"]
+    engine.restore_progress(meta["global_steps"], meta["micro_steps"], meta["global_samples"])
     if prep.rng is not None:
         set_rng_state(prep.rng)
     return prep.client

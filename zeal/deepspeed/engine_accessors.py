@@ -102,13 +102,13 @@ class DeepSpeedAccessors:
         if train_batch_size % per or train_batch_size < per:
             raise ValueError(f"set_train_batch_size({train_batch_size}): must be a multiple of micro batch x data "
                              f"parallel size = {per}")
-        self.engine._p.grad_accum = train_batch_size // per
+        self.engine.grad_accum = train_batch_size // per
 
     def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
         """Change the micro-batch (the accumulation steps stay; the global batch follows)."""
         if micro_batch_size < 1:
             raise ValueError(f"set_train_micro_batch_size({micro_batch_size}): must be >= 1")
-        self.engine._p.micro_batch = micro_batch_size
+        self.engine.micro_batch = micro_batch_size
 
     # the batch, the step and the schedule, in DeepSpeed's names (zeal's engine: micro_batch,
     # grad_accum, at_boundary, set_boundary, grad_norm, zero_stage, token_drop)

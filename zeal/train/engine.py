@@ -130,13 +130,27 @@ class TrainEngine:
 
     @property
     def micro_batch(self) -> int:
-        """Samples per rank per forward."""
+        """Samples per rank per forward; settable between steps (>= 1), as DeepSpeed's
+        ``set_train_micro_batch_size`` (the accumulation steps stay)."""
         return self._p.micro_batch
+
+    @micro_batch.setter
+    def micro_batch(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {value!r}")
+        self._p.micro_batch = value
 
     @property
     def grad_accum(self) -> int:
-        """Micro-batches per optimizer step."""
+        """Micro-batches per optimizer step; settable between steps (>= 1), as DeepSpeed's
+        ``set_train_batch_size`` (a running accumulation counts to the new number)."""
         return self._p.grad_accum
+
+    @grad_accum.setter
+    def grad_accum(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"grad_accum must be >= 1, got {value!r}")
+        self._p.grad_accum = value
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -171,6 +185,12 @@ class TrainEngine:
         accumulation of an epoch is shorter (Hugging Face's Trainer). Call it before
         ``backward``; the loss is then the caller's to scale."""
         self._boundary_override = bool(is_boundary)
+
+    def restore_progress(self, global_steps: int, micro_steps: int, global_samples: int) -> None:
+        """Set the step counters to a checkpoint's (zeal.checkpoint's load). Checkpoints are
+        saved right after an update, so the next micro-step starts an accumulation."""
+        self.global_steps, self.micro_steps, self.global_samples = global_steps, micro_steps, global_samples
+        self._boundary_start = micro_steps
 
     def train(self, mode: bool = True) -> TrainEngine:
         self.module.train(mode)
