@@ -357,3 +357,57 @@ def test_importing_the_models_loads_no_parallelism():
     assert not [m for m in loaded if _package(m) in MODELS_MAY_NOT_LOAD or layer[_package(m)] >= layer["models"]
                 and _package(m) != "models"]
     assert "zeal.models.hf" in loaded and "zeal.moe.layer" in loaded  # the check saw the imports
+
+
+# -- private state stays in its package -------------------------------------------------------
+# A package changes another package's objects through their public methods and attributes:
+# ``obj._name = ...`` (or ``+=``) outside ``self`` is a write into another object's internals,
+# and so is ``obj._name.x = ...``; both are refused when ``_name`` is private state a class of
+# ANOTHER zeal package sets on itself (``self._name = ...``), e.g. checkpoint/load.py's old
+# ``engine._boundary_start = ...`` and the DeepSpeed facade's old ``engine._p.grad_accum = ...``.
+# torch's and transformers' own private hooks (``module._parameters``, ``config._attn_implementation``)
+# are no zeal package's state and are not counted.
+def _private_writes(root: Path) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """(package → the private attributes its classes set on ``self``, [(package, attribute,
+    where)] of every private attribute written on another object)."""
+    own: dict[str, set[str]] = {}
+    foreign: list[tuple[str, str, str]] = []
+    for path in sorted(root.rglob("*.py")):
+        pkg = _package(_module_name(path, root))
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in (e for tt in targets for e in (tt.elts if isinstance(tt, ast.Tuple) else [tt])):
+                first = True
+                while isinstance(t, (ast.Attribute, ast.Subscript)):  # a.b._c.d[k] = ...: each link
+                    if isinstance(t, ast.Attribute) and t.attr.startswith("_") and not t.attr.startswith("__"):
+                        if isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                            if first:
+                                own.setdefault(pkg, set()).add(t.attr)
+                        else:
+                            foreign.append((pkg, t.attr, f"{path.relative_to(root.parent)}:{node.lineno}"))
+                    first, t = False, t.value
+    return own, foreign
+
+
+def cross_package_private_writes(root: Path = ROOT) -> list[str]:
+    own, foreign = _private_writes(root)
+    return [f"{where}: writes {attr}, private state of {', '.join(sorted(p for p in own if attr in own[p] and p != pkg))}"
+            for pkg, attr, where in foreign if any(attr in names for p, names in own.items() if p != pkg)]
+
+
+def test_no_package_writes_another_packages_private_state():
+    bad = cross_package_private_writes()
+    assert not bad, "give the owner a public method instead:\n" + "\n".join(bad)
+
+
+def test_a_cross_package_private_write_fails(tmp_path):
+    pkg = tmp_path / "zeal"
+    for name in ("train", "checkpoint"):
+        (pkg / name).mkdir(parents=True)
+    (pkg / "train" / "engine.py").write_text("class E:\n    def __init__(self):\n        self._start = 0\n")
+    (pkg / "checkpoint" / "load.py").write_text(
+        "def load(engine, m):\n    engine.steps, engine._start = m, m\n    engine.module._parameters = {}\n"
+        "    engine._start.x[0] = m\n    self._start = m\n")
+    assert cross_package_private_writes(pkg) == ["zeal/checkpoint/load.py:2: writes _start, private state of train",
+                                                 "zeal/checkpoint/load.py:4: writes _start, private state of train"]

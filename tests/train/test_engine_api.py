@@ -8,7 +8,7 @@ from torch import nn
 
 import zeal
 from zeal.deepspeed.refusals import deepspeed_names
-from zeal.train.engine import TrainEngine
+from zeal.train.engine import TrainEngine, live_engines
 
 # names TrainEngine shares with DeepSpeed's engine: the loop's verbs and zeal's own reports
 # (memory_breakdown / wall_clock_breakdown / loss_scale answer in zeal's terms; the facade
@@ -82,7 +82,9 @@ def test_the_batch_and_the_progress_are_set_through_the_engine():
         with pytest.raises(ValueError, match=f"{name} must be >= 1, got 0"):
             setattr(eng, name, 0)
     assert (eng.grad_accum, eng.micro_batch) == (3, 2)
+    assert any(e is eng for e in live_engines())  # where the facade's module-level helpers look
     eng.close()
+    assert not any(e is eng for e in live_engines())
 
 
 def test_deepspeed_names_on_the_facade_answer_from_zeal_names(tmp_path):

@@ -67,12 +67,11 @@ class Init:
 
 def _owner(params: list[torch.Tensor]) -> Any:
     """The live zeal engine whose model holds any of ``params`` (None: a plain model)."""
-    from zeal.train.engine import _LIVE
+    from zeal.train.engine import live_engines
 
     ids = {id(p) for p in params}
-    for engine in list(_LIVE):
-        p = getattr(engine, "_p", None)
-        if p is not None and any(id(q) in ids for q in engine.module.parameters()):
+    for engine in live_engines():
+        if any(id(q) in ids for q in engine.module.parameters()):
             return engine
     return None
 

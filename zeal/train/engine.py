@@ -46,6 +46,12 @@ def _close_live_engines() -> None:
 before_shutdown(_close_live_engines)
 
 
+def live_engines() -> list[TrainEngine]:
+    """This process's engines that are not closed (where DeepSpeed's module-level helpers,
+    ``deepspeed.zero.GatheredParameters`` and ``deepspeed.utils.groups``, find an engine)."""
+    return [e for e in list(_LIVE) if "_p" in e.__dict__]
+
+
 @dataclass
 class EngineParts:
     """What build.py hands the engine (plain data)."""

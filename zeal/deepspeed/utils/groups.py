@@ -12,12 +12,12 @@ from typing import Any
 
 def _mesh() -> Any:
     from zeal.deepspeed import engine as facade
-    from zeal.train.engine import _LIVE
+    from zeal.train.engine import live_engines
 
     last = facade._last() if facade._last is not None else None
-    if last is not None and getattr(last, "_p", None) is not None:
+    engines = live_engines()
+    if last is not None and any(e is last for e in engines):
         return last.mesh
-    engines = [e for e in list(_LIVE) if getattr(e, "_p", None) is not None]
     return engines[0].mesh if engines else None
 
 
