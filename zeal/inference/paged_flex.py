@@ -16,7 +16,7 @@ per pass from the block tables, on the device, with no host synchronisation:
 
 The same code runs on CPU (eager ``flex_attention``, tested against SDPA and the
 reference attention), on CUDA under ``torch.compile`` (the fused Triton kernel). Select
-it with ``ZEAL_ATTENTION_BACKEND=flex`` (default on CUDA; ``torch`` there keeps the
+it with ``ZEAL_ATTENTION_BACKEND=flex`` (default on CUDA with torch >= 2.9; ``torch`` there keeps the
 reference path), through :func:`attention_backend`.
 """
 
