@@ -75,6 +75,12 @@ def _reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def _partial(stage: str, dry: bool, rec: dict) -> None:
+    """Print the stage's record so far: run.sh keeps the last line a stage printed, so a stage
+    stopped at its time limit still reports what it measured (marked ``partial``)."""
+    print(json.dumps({"stage": stage, "dry_run": dry, "partial": True} | rec), flush=True)
+
+
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
@@ -223,7 +229,8 @@ def stage_train_speed(dry: bool) -> dict:
 
     peak, peak_src = peak_flops(device.type, device.index or 0)
     x = torch.randint(0, shape["vocab_size"], (micro, seq), device=device)
-    n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
+    with torch.device("meta"):  # counted without initialising a second 1B model
+        n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
     flops_per_step = 6 * n_params * micro * seq  # + attention: 12·layers·hidden·seq² per sequence
     flops_per_step += 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq * seq * micro
     results = {}
@@ -278,9 +285,14 @@ def stage_train_speed(dry: bool) -> dict:
             engine.step()
         return step
 
-    runs = {"plain_eager": lambda: plain(False), "plain_compiled": lambda: plain(True), "fsdp2": fsdp2,
+    # the compiled runs last: their compilation is the slowest part, and a stage that runs out of
+    # time keeps the runs done so far (each one prints the stage's record so far)
+    runs = {"plain_eager": lambda: plain(False), "fsdp2": fsdp2,
             "zeal_stage0": lambda: zeal_engine(0, False), "zeal_stage3": lambda: zeal_engine(3, False),
+            "plain_compiled": lambda: plain(True),
             "zeal_stage0_compiled": lambda: zeal_engine(0, True), "zeal_stage3_compiled": lambda: zeal_engine(3, True)}
+    head = {"device": str(device), "params": n_params, "micro": micro, "seq": seq, "peak_flops": peak,
+            "peak_source": peak_src}
     for name, make in runs.items():
         if dry and "compiled" in name:  # inductor's compile of the toy model alone takes ~30 s on the CPU
             results[name] = {"skipped": "dry run"}
@@ -292,8 +304,8 @@ def stage_train_speed(dry: bool) -> dict:
                              "mfu": round(flops_per_step / dt / peak, 4) if peak else None, "peak_gib": _peak(device)}
         except Exception as e:  # noqa: BLE001 - reported
             results[name] = {"error": _err(e)}
-    return {"device": str(device), "params": n_params, "micro": micro, "seq": seq, "peak_flops": peak,
-            "peak_source": peak_src, "runs": results}
+        _partial("train_speed", dry, head | {"runs": results})
+    return head | {"runs": results}
 
 
 def _saved_model(shape: dict, layers: int | None, dtype) -> tuple[str, object]:
@@ -515,9 +527,10 @@ def report(path: str) -> None:
     """The results file as a short table, one stage a block."""
     for line in Path(path).read_text().splitlines():
         rec = json.loads(line)
-        print(f"== {rec['stage']} ({rec.get('seconds', '?')} s){' ERROR ' + rec['error'] if 'error' in rec else ''}")
+        print(f"== {rec['stage']} ({rec.get('seconds', '?')} s){' ERROR ' + rec['error'] if 'error' in rec else ''}"
+              f"{' PARTIAL: stopped at its time limit' if rec.get('partial') else ''}")
         for k, v in rec.items():
-            if k in ("stage", "seconds", "error"):
+            if k in ("stage", "seconds", "error", "partial"):
                 continue
             if isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()):
                 for name, row in v.items():
