@@ -204,6 +204,7 @@ def stage_train_correct(dry: bool) -> dict:
                              "s": round(time.perf_counter() - t, 1)}
         except Exception as e:  # noqa: BLE001 - reported
             results[name] = {"ok": False, "error": _err(e)}
+        _partial("train_correct", dry, {"device": str(device), "cases": results})
     return {"device": str(device), "reference_losses": [round(x, 4) for x in ref], "cases": results}
 
 
@@ -345,6 +346,7 @@ def stage_serve_correct(dry: bool) -> dict:
         _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["fp32_greedy_equal"] = _err(e)
+    _partial("serve_correct", dry, out)
     if dry:  # the accelerator's serving path (flex paged attention, packed inputs, decode graphs) on the CPU
         out["flex_path_greedy_equal"] = _flex_path_on_cpu(path, prompts, got, n_new)
     try:
@@ -409,6 +411,7 @@ def stage_serve_speed(dry: bool) -> dict:
         llm.shutdown()
         llm = None
         _free(device)
+        _partial("serve_speed", dry, out)
         if device.type == "cuda":  # the same workload without decode graphs
             llm = LLM(path, dtype=dtype, device=str(device), enforce_eager=True)
             llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -422,6 +425,7 @@ def stage_serve_speed(dry: bool) -> dict:
             _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["zeal_error"] = _err(e)
+    _partial("serve_speed", dry, out)
     try:
         total, t = 0, time.perf_counter()
         for i in range(0, n_req, hf_batch):
