@@ -75,6 +75,12 @@ def _reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def _partial(stage: str, dry: bool, rec: dict) -> None:
+    """Print the stage's record so far: run.sh keeps the last line a stage printed, so a stage
+    stopped at its time limit still reports what it measured (marked ``partial``)."""
+    print(json.dumps({"stage": stage, "dry_run": dry, "partial": True} | rec), flush=True)
+
+
 def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
@@ -198,6 +204,7 @@ def stage_train_correct(dry: bool) -> dict:
                              "s": round(time.perf_counter() - t, 1)}
         except Exception as e:  # noqa: BLE001 - reported
             results[name] = {"ok": False, "error": _err(e)}
+        _partial("train_correct", dry, {"device": str(device), "cases": results})
     return {"device": str(device), "reference_losses": [round(x, 4) for x in ref], "cases": results}
 
 
@@ -223,7 +230,8 @@ def stage_train_speed(dry: bool) -> dict:
 
     peak, peak_src = peak_flops(device.type, device.index or 0)
     x = torch.randint(0, shape["vocab_size"], (micro, seq), device=device)
-    n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
+    with torch.device("meta"):  # counted without initialising a second 1B model
+        n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
     flops_per_step = 6 * n_params * micro * seq  # + attention: 12·layers·hidden·seq² per sequence
     flops_per_step += 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq * seq * micro
     results = {}
@@ -278,9 +286,14 @@ def stage_train_speed(dry: bool) -> dict:
             engine.step()
         return step
 
-    runs = {"plain_eager": lambda: plain(False), "plain_compiled": lambda: plain(True), "fsdp2": fsdp2,
+    # the compiled runs last: their compilation is the slowest part, and a stage that runs out of
+    # time keeps the runs done so far (each one prints the stage's record so far)
+    runs = {"plain_eager": lambda: plain(False), "fsdp2": fsdp2,
             "zeal_stage0": lambda: zeal_engine(0, False), "zeal_stage3": lambda: zeal_engine(3, False),
+            "plain_compiled": lambda: plain(True),
             "zeal_stage0_compiled": lambda: zeal_engine(0, True), "zeal_stage3_compiled": lambda: zeal_engine(3, True)}
+    head = {"device": str(device), "params": n_params, "micro": micro, "seq": seq, "peak_flops": peak,
+            "peak_source": peak_src}
     for name, make in runs.items():
         if dry and "compiled" in name:  # inductor's compile of the toy model alone takes ~30 s on the CPU
             results[name] = {"skipped": "dry run"}
@@ -292,8 +305,8 @@ def stage_train_speed(dry: bool) -> dict:
                              "mfu": round(flops_per_step / dt / peak, 4) if peak else None, "peak_gib": _peak(device)}
         except Exception as e:  # noqa: BLE001 - reported
             results[name] = {"error": _err(e)}
-    return {"device": str(device), "params": n_params, "micro": micro, "seq": seq, "peak_flops": peak,
-            "peak_source": peak_src, "runs": results}
+        _partial("train_speed", dry, head | {"runs": results})
+    return head | {"runs": results}
 
 
 def _saved_model(shape: dict, layers: int | None, dtype) -> tuple[str, object]:
@@ -333,6 +346,7 @@ def stage_serve_correct(dry: bool) -> dict:
         _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["fp32_greedy_equal"] = _err(e)
+    _partial("serve_correct", dry, out)
     if dry:  # the accelerator's serving path (flex paged attention, packed inputs, decode graphs) on the CPU
         out["flex_path_greedy_equal"] = _flex_path_on_cpu(path, prompts, got, n_new)
     try:
@@ -397,6 +411,7 @@ def stage_serve_speed(dry: bool) -> dict:
         llm.shutdown()
         llm = None
         _free(device)
+        _partial("serve_speed", dry, out)
         if device.type == "cuda":  # the same workload without decode graphs
             llm = LLM(path, dtype=dtype, device=str(device), enforce_eager=True)
             llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -410,6 +425,7 @@ def stage_serve_speed(dry: bool) -> dict:
             _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["zeal_error"] = _err(e)
+    _partial("serve_speed", dry, out)
     try:
         total, t = 0, time.perf_counter()
         for i in range(0, n_req, hf_batch):
@@ -515,9 +531,10 @@ def report(path: str) -> None:
     """The results file as a short table, one stage a block."""
     for line in Path(path).read_text().splitlines():
         rec = json.loads(line)
-        print(f"== {rec['stage']} ({rec.get('seconds', '?')} s){' ERROR ' + rec['error'] if 'error' in rec else ''}")
+        print(f"== {rec['stage']} ({rec.get('seconds', '?')} s){' ERROR ' + rec['error'] if 'error' in rec else ''}"
+              f"{' PARTIAL: stopped at its time limit' if rec.get('partial') else ''}")
         for k, v in rec.items():
-            if k in ("stage", "seconds", "error"):
+            if k in ("stage", "seconds", "error", "partial"):
                 continue
             if isinstance(v, dict) and all(isinstance(x, dict) for x in v.values()):
                 for name, row in v.items():

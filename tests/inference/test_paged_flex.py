@@ -109,3 +109,25 @@ def test_block_mask_lists_every_tile_a_query_reads():
     for b, (q_len, c, _) in enumerate(seqs):
         for i in range(q_len):
             assert int(dense[b, 0, i].sum()) == c - q_len + i + 1
+
+
+def test_a_torch_without_forward_only_block_masks_keeps_the_reference_path(monkeypatch):
+    """torch 2.5-2.8's ``BlockMask.from_kv_blocks`` has no ``compute_q_blocks`` (its transposed
+    lists would span the whole cache): CUDA's default falls back to the reference path, an
+    explicit ``flex`` is refused in one line, and nothing reaches the older call."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from zeal.inference.paged_flex import BACKEND_ENV, attention_backend
+
+    def older(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None,
+              BLOCK_SIZE=128, mask_mod=None, seq_lengths=None):  # noqa: N803 - torch's spelling
+        raise AssertionError("the backend must not be used on this torch")
+
+    cuda, f32 = torch.device("cuda"), torch.float32
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert isinstance(attention_backend(cuda, f32, f32), FlexPagedAttention)
+    monkeypatch.setattr(BlockMask, "from_kv_blocks", classmethod(older))
+    assert attention_backend(cuda, f32, f32) is None
+    monkeypatch.setenv(BACKEND_ENV, "flex")
+    with pytest.raises(ValueError, match="needs torch >= 2.9"):
+        attention_backend(torch.device("cpu"), f32, f32)

@@ -16,12 +16,13 @@ per pass from the block tables, on the device, with no host synchronisation:
 
 The same code runs on CPU (eager ``flex_attention``, tested against SDPA and the
 reference attention), on CUDA under ``torch.compile`` (the fused Triton kernel). Select
-it with ``ZEAL_ATTENTION_BACKEND=flex`` (default on CUDA; ``torch`` there keeps the
+it with ``ZEAL_ATTENTION_BACKEND=flex`` (default on CUDA with torch >= 2.9; ``torch`` there keeps the
 reference path), through :func:`attention_backend`.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -44,10 +45,26 @@ def attention_backend(device: torch.device, kv_dtype: torch.dtype, dtype: torch.
         return None
     if kv_dtype != dtype and choice != "flex":
         return None  # a cache in another dtype: the reference path converts it per read
+    if not flex_supported():
+        if choice != "flex":
+            return None  # an older torch: the reference path
+        raise ValueError(f"{BACKEND_ENV}=flex needs torch >= 2.9 (flex_attention with forward-only block "
+                         f"masks); this is torch {torch.__version__}")
     if kv_dtype != dtype:
         raise ValueError(f"the flex attention backend needs the KV cache in the model's dtype ({dtype}), "
                          f"got {kv_dtype}")
     return FlexPagedAttention(compile_kernel=device.type == "cuda")
+
+
+def flex_supported() -> bool:
+    """Whether this torch has what the backend uses: ``flex_attention`` and forward-only
+    block masks (``BlockMask.from_kv_blocks(compute_q_blocks=...)``, torch >= 2.9; before,
+    the transposed lists it always builds would span the whole cache for every query tile)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError:
+        return False
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def _flex():
