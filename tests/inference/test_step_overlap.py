@@ -128,3 +128,51 @@ def test_refusals(llama_dir):
     with pytest.raises(ValueError, match="async_scheduling is not supported with speculative decoding"):
         LLM(llama_dir, block_size=4, num_blocks=96, async_scheduling=True,
             speculative_config={"method": "ngram"})
+
+
+@pytest.mark.timeout(120)
+def test_async_scheduling_under_preemption(llama_dir):
+    """A cache too small for every request: sequences are preempted (some with their token in
+    flight, recomputed from a prompt whose last id is read on the device) and the tokens stay."""
+    params = [SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)] * 3 + _params()[3:]
+    ref_llm = LLM(llama_dir, block_size=4, num_blocks=14)
+    ref = _run(ref_llm, params)
+    llm = LLM(llama_dir, block_size=4, num_blocks=14, async_scheduling=True)
+    assert _run(llm, params) == ref
+    assert ref_llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_a_recomputed_prompt_reads_its_last_id_on_the_device(llama_dir):
+    """A sequence preempted with its token in flight and recomputed in the next pass: the
+    prompt chunk's last row takes the in-flight id from the device; the logits are those of
+    the same chunk fed the real id."""
+    from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, Sequence
+
+    runner = LLM(llama_dir, block_size=4, num_blocks=96).engine.runner
+
+    def chunk(last: int) -> SchedulerOutput:
+        seq = Sequence(7, "x", [5, 6, 7, 8, 9], SamplingParams(), output_ids=[30, last], block_table=[3, 4])
+        return SchedulerOutput(chunks=[ScheduledChunk(seq, 0, 7, True)])
+
+    want = runner.execute(chunk(44))
+    runner.prev_tokens, runner.prev_rows = torch.tensor([11, 22, 44]), {7: 2}
+    plan = runner.plan(chunk(PLACEHOLDER))
+    assert plan.fill_rows == [6] and plan.fill_src == [2] and plan.ids[6] == 0 and not plan.dec_rows
+    assert torch.equal(runner.execute(chunk(PLACEHOLDER)), want)
+
+
+def test_abort_with_a_step_in_flight_then_sleep(llama_dir):
+    llm = LLM(llama_dir, block_size=4, num_blocks=96, async_scheduling=True)
+    eng = llm.engine
+    eng.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.overlap.pending is not None
+    eng.abort("a")
+    assert eng.has_unfinished()  # the step in flight, whose id is dropped when read
+    llm.sleep(1)
+    assert eng.overlap.pending is None and not eng.has_unfinished() and eng.bm.num_used_blocks == 0
+    llm.wake_up()
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ref = LLM(llama_dir, block_size=4, num_blocks=96).generate([PROMPTS[1]], params)
+    assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == ref[0].outputs[0].token_ids

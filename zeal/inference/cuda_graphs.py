@@ -17,10 +17,13 @@ factory, so that it is tested on CPU with a fake graph; on CUDA the factory is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("zeal.inference")
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -168,11 +171,11 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
     padding rows write into the scratch block and attend one slot of block 0.
 
     ``compile``: the step is ``torch.compile``d (dynamic=False: one compiled shape per
-    bucket, see :mod:`zeal.inference.compiled_decode`), with torch ops instead of the fused
-    CPU kernels (opaque to the compiler) and the flex attention backend; off CUDA it then
-    runs without graphs (``graph_factory`` None)."""
+    bucket, see :mod:`zeal.inference.compiled_decode`): with the flex attention backend
+    inside the graph, or with the fused CPU kernels' attention left out of it (the layers'
+    other ops then compile from torch ops); off CUDA it runs without graphs."""
     from zeal.inference.attention import AttentionMetadata, DecodeTables, PagedAttention
-    from zeal.inference.compiled_decode import compile_step
+    from zeal.inference.compiled_decode import OpaqueAttention, compile_step
     from zeal.inference.paged_flex import FlexPagedAttention
 
     bs = runner.block_size
@@ -181,15 +184,19 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
              "slots": InputSpec((), torch.int64, runner.scratch_slot), "tables": InputSpec((width,), torch.int32),
              "lens": InputSpec((), torch.int32, 1)}
 
-    kernels, backend = runner.kernels, runner.attn_backend
-    if compile:
-        kernels, backend = None, backend or FlexPagedAttention()
+    backend = runner.attn_backend
+    # compiled with the fused CPU kernels: their attention runs outside the graph (OpaqueAttention)
+    opaque = compile and runner.kernels is not None and backend is None
+    if compile and not opaque:
+        backend = backend or FlexPagedAttention()
 
     def forward(inp: dict[str, torch.Tensor]) -> torch.Tensor:
         n = inp["ids"].shape[0]
-        meta = AttentionMetadata(slot_mapping=inp["slots"], kernels=kernels, backend=backend)
+        meta = AttentionMetadata(slot_mapping=inp["slots"], kernels=runner.kernels, backend=backend)
         meta.decodes = DecodeTables(slice(0, n), inp["tables"], inp["lens"])
         attention = PagedAttention(runner.k_cache, runner.v_cache, meta)
+        if opaque:
+            attention = OpaqueAttention(attention)
         return runner.model(inp["ids"], positions=inp["pos"], attention=attention)
 
     step = compile_step(forward, len(decode_buckets(max_num_seqs))) if compile else forward
@@ -207,6 +214,10 @@ def enable_for_engine(runner, model, max_num_seqs: int, max_seq_tokens: int, enf
     if enforce_eager or tensor_parallel or getattr(model, "weight_streamer", None) is not None:
         return False
     cuda = runner.device.type == "cuda" and torch.cuda.is_available()
+    if compile and not cuda and (runner.kernels is None or runner.attn_backend is not None):
+        compile = False  # on CPU the compiled step keeps the fused kernels' attention (see compiled_decode)
+        log.warning("compilation_config: a compiled decode step on CPU needs the fused CPU kernels and the "
+                    "default attention; decoding eagerly")
     if not compile and (runner.attn_backend is None or not cuda):
         return False
     runner.enable_decode_graphs(max_num_seqs, max_seq_tokens, compile=compile)

@@ -245,6 +245,8 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._sleep_level:
             raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.overlap is not None and not self.requests:
+            self.overlap.flush()  # a step in flight for aborted requests only: its ids are dropped
         if self.requests or self.scheduler.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): let them finish "
                                "or abort them first")
