@@ -52,11 +52,14 @@ def compile_level(cfg: EngineConfig, device: torch.device) -> int:
 
 
 def _allow_recompiles(n: int) -> None:
-    """Room for ``n`` compiled shapes of one function (dynamo's per-function limit is 8)."""
+    """Room for ``n`` compiled versions of one function (dynamo's per-function limit is 8): a
+    bucket's shapes, and on CPU each layer's code resumed after its attention (the layer index
+    is a constant of its graph), once per bucket."""
     import torch._dynamo
 
     cfg = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
         if hasattr(cfg, name) and getattr(cfg, name) < n:
             setattr(cfg, name, n)
 
@@ -66,8 +69,9 @@ class CompiledStep:
     (a backend missing, an op the compiler cannot lower), the step logs it once and runs
     eagerly from then on (``failed`` holds the error) rather than failing the requests."""
 
-    def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], num_buckets: int) -> None:
-        _allow_recompiles(num_buckets + 2)
+    def __init__(self, forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], num_buckets: int,
+                 num_layers: int = 1) -> None:
+        _allow_recompiles(num_buckets * (num_layers + 2) + 8)
         self.forward = forward
         self.compiled = torch.compile(forward, dynamic=False)
         self.failed: str | None = None
@@ -82,6 +86,8 @@ class CompiledStep:
         return self.forward(inputs)
 
 
-def compile_step(forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], num_buckets: int) -> CompiledStep:
-    """``forward`` compiled with one static shape per batch-size bucket (``num_buckets``)."""
-    return CompiledStep(forward, num_buckets)
+def compile_step(forward: Callable[[dict[str, torch.Tensor]], torch.Tensor], num_buckets: int,
+                 num_layers: int = 1) -> CompiledStep:
+    """``forward`` (a model of ``num_layers`` layers) compiled with one static shape per
+    batch-size bucket (``num_buckets``)."""
+    return CompiledStep(forward, num_buckets, num_layers)

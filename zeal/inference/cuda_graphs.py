@@ -199,7 +199,7 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
             attention = OpaqueAttention(attention)
         return runner.model(inp["ids"], positions=inp["pos"], attention=attention)
 
-    step = compile_step(forward, len(decode_buckets(max_num_seqs))) if compile else forward
+    step = compile_step(forward, len(decode_buckets(max_num_seqs)), runner.model.num_layers) if compile else forward
     cuda = runner.device.type == "cuda" and torch.cuda.is_available()
     factory = graph_factory or (cuda_graph_factory() if cuda or not compile else None)
     return DecodeGraphs(step, specs, max_num_seqs, runner.device, factory, enforce_eager)

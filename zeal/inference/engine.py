@@ -78,7 +78,7 @@ class LLMEngine:
         sizes = engine_sizes(cfg, smodel, p.device, kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
         num_blocks = sizes.num_blocks
         level = compile_level(cfg, p.device)  # torch.compile of the decode step (compiled_decode)
-        self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size, scratch=level > 0)
+        self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size, scratch=level > 0 and tp is None)
         if tp is not None:
             tp.attach(self.runner)  # the other ranks build their runners alike and follow rank 0's passes
         self.bm = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
