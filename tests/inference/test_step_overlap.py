@@ -80,7 +80,7 @@ def test_one_step_behind_with_the_ids_read_on_the_device(llama_dir):
     assert eng.step() == []
     seqs = {r: eng.requests[r].seqs[0] for r in "ab"}
     assert all(s.output_ids == [PLACEHOLDER] for s in seqs.values())
-    assert eng.overlap.pending is not None and len(eng.overlap.pending.seqs) == 2
+    assert eng.overlap.pending is not None and eng.overlap.pending.rows == [0, 1]
     outs = {o.request_id: o for o in eng.step()}
     assert set(outs) == {"a", "b"} and outs["b"].finished and not outs["a"].finished
     assert len(outs["a"].outputs[0].token_ids) == 1 and PLACEHOLDER not in outs["a"].outputs[0].token_ids
@@ -176,3 +176,14 @@ def test_abort_with_a_step_in_flight_then_sleep(llama_dir):
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     ref = LLM(llama_dir, block_size=4, num_blocks=96).generate([PROMPTS[1]], params)
     assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
+def test_a_failing_batched_sampler_falls_back_row_by_row(llama_dir, monkeypatch):
+    params = _stopping_params(llama_dir)
+    ref = _run(LLM(llama_dir, block_size=4, num_blocks=96), params)
+
+    def broken(*a, **k):
+        raise RuntimeError("batched sampling failed")
+
+    monkeypatch.setattr("zeal.inference.step_overlap.sample_tokens", broken)
+    assert _run(LLM(llama_dir, block_size=4, num_blocks=96, async_scheduling=True), params) == ref

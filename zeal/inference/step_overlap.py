@@ -70,7 +70,8 @@ class InFlight:
     """A launched step: its sampled sequences (each holding a placeholder) and their ids."""
 
     seqs: list[Sequence]
-    tokens: torch.Tensor  # (S,) long, on the device: row i is seqs[i]'s token
+    tokens: torch.Tensor  # (R,) long, on the device: the step's sampled ids
+    rows: list[int]  # seqs[i]'s row of tokens (no device indexing by a host list: that would sync)
     results: list[SampleResult | None] | None = None  # host results (sampled row by row after a failure)
 
 
@@ -122,7 +123,7 @@ class StepOverlap:
         tokens = results = None
         if sched.chunks:
             if prev is not None:  # step N+1's rows read step N's ids on the device
-                runner.prev_tokens, runner.prev_rows = prev.tokens, {s.seq_id: i for i, s in enumerate(prev.seqs)}
+                runner.prev_tokens, runner.prev_rows = prev.tokens, {s.seq_id: r for s, r in zip(prev.seqs, prev.rows)}
             try:
                 logits = eng._execute(sched, touched)
             finally:
@@ -156,9 +157,7 @@ class StepOverlap:
             seq.output_ids.append(PLACEHOLDER)
             live.append(i)
         if live:
-            idx = live if len(live) < len(seqs) else None
-            self.pending = InFlight([seqs[i] for i in live], tokens if idx is None else tokens[idx],
-                                    None if results is None else [results[i] for i in live])
+            self.pending = InFlight([seqs[i] for i in live], tokens, live, results)
         stats = StepStats(sched.num_tokens, decode_tokens, prompt_tokens, len(sched.chunks), len(sched.preempted),
                           time.monotonic() - t0)
         eng.last_stats = stats
@@ -186,9 +185,9 @@ class StepOverlap:
         if prev is None:
             return 0
         eng = self.engine
-        ids = prev.tokens.tolist() if prev.results is None else [r.token for r in prev.results]
+        every = prev.tokens.tolist() if prev.results is None else [r.token if r else 0 for r in prev.results]
         added = 0
-        for seq, tok in zip(prev.seqs, ids):
+        for seq, tok in zip(prev.seqs, [every[r] for r in prev.rows]):
             if seq.output_ids and seq.output_ids[-1] == PLACEHOLDER:
                 seq.output_ids.pop()
             req = eng.requests.get(seq.request_id)
