@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_modes import decode_modes  # noqa: E402 - async scheduling / compiled decode rows
 
 # HBM bandwidth in TB/s (vendor figures): the decode step's floor; the FLOP peaks are zeal.utils.flops'
 HBM_TBPS = {"H100": 3.35, "H200": 4.8, "A100": 2.0, "L40S": 0.864}
@@ -425,6 +427,7 @@ def stage_serve_speed(dry: bool) -> dict:
             _free(device)
     except Exception as e:  # noqa: BLE001 - reported
         out["zeal_error"] = _err(e)
+    out["decode_modes"] = decode_modes(path, dtype, device, prompts, params, dry, _sync, _free, _err)
     _partial("serve_speed", dry, out)
     try:
         total, t = 0, time.perf_counter()

@@ -67,6 +67,7 @@ def test_serve_flags_come_from_the_inference_section(capsys):
              "--tensor-parallel-size", "--no-engine-process", "--no-disable-additional-properties"]
     flags += ["--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--allow-runtime-lora-updating"]
     flags += ["--gpu-memory-utilization", "--enforce-eager"]  # CUDA serving (gpu_defaults, cuda_graphs)
+    flags += ["--async-scheduling", "--compilation-config"]  # step overlap, compiled decode (issue 37)
     for flag in flags:
         assert flag in out, flag
     limit_flags = ["--max-body-bytes", "--max-n", "--max-prompts", "--body-read-timeout-s", "--header-read-timeout-s",

@@ -159,7 +159,18 @@ class EngineConfig(Section):
         "of the GPU's memory the engine may hold (weights, activations, and the KV cache in the rest), vLLM's "
         "flag; on CUDA max_num_batched_tokens and max_num_seqs left unset take vLLM's GPU defaults (8192, 256).")
     enforce_eager: bool = Field(
-        False, description="Never capture CUDA graphs for decode steps (vLLM's flag); CPU always runs eagerly.")
+        False, description="Never capture CUDA graphs for decode steps nor torch.compile them (vLLM's flag); "
+        "CPU never captures graphs.")
+    async_scheduling: bool | None = Field(
+        None, description="Overlap the host's work for the next step (scheduling, packing its inputs) with the "
+        "device's current step, reading the decode rows' previous tokens on the device and emitting tokens one "
+        "step behind (vLLM's flag); the same tokens either way. Steps fall back to synchronous while a request "
+        "needs the host in the loop (logprobs, prompt_logprobs, penalties, structured outputs, n > 1, "
+        "speculative decoding, tensor parallelism). None = on for CUDA, off on CPU.")
+    compilation_config: int | None = Field(
+        None, ge=0, le=3, description="vLLM's optimization level: 0 = eager model code; 1-3 = torch.compile of "
+        "the decode step (one compiled shape per batch-size bucket, dynamic=False; under CUDA graphs where "
+        "they run). None = 3 on CUDA, 0 on CPU (measured slower there than the fused CPU kernels).")
 
     @field_validator("speculative_config", mode="before")
     @classmethod

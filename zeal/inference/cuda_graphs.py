@@ -17,10 +17,13 @@ factory, so that it is tested on CPU with a fake graph; on CUDA the factory is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("zeal.inference")
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -148,6 +151,9 @@ class DecodeGraphs:
             self.stats["eager"] += 1
             return self.forward(inputs)
         views = self._fill(inputs, n, bucket)
+        if self.graph_factory is None:  # a compiled step without graphs (CPU): run at the bucket's shape
+            self.stats["compiled"] = self.stats.get("compiled", 0) + 1
+            return self.forward(views)[:n]
         rep = self.graphs.get(bucket)
         if rep is None:
             rep = self.graphs[bucket] = self._capture(bucket, views)
@@ -158,12 +164,19 @@ class DecodeGraphs:
 
 
 def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce_eager: bool = False,
-                         graph_factory: Callable[[], object] | None = None) -> DecodeGraphs:
+                         graph_factory: Callable[[], object] | None = None, compile: bool = False) -> DecodeGraphs:
     """:class:`DecodeGraphs` over the decode steps of ``runner`` (a ModelRunner with the
     batched attention backend and a scratch cache block): inputs ids, positions, slots,
     block tables padded to ``ceil(max_seq_tokens / block_size)`` and context lengths;
-    padding rows write into the scratch block and attend one slot of block 0."""
+    padding rows write into the scratch block and attend one slot of block 0.
+
+    ``compile``: the step is ``torch.compile``d (dynamic=False: one compiled shape per
+    bucket, see :mod:`zeal.inference.compiled_decode`): with the flex attention backend
+    inside the graph, or with the fused CPU kernels' attention left out of it (the layers'
+    other ops then compile from torch ops); off CUDA it runs without graphs."""
     from zeal.inference.attention import AttentionMetadata, DecodeTables, PagedAttention
+    from zeal.inference.compiled_decode import OpaqueAttention, compile_step
+    from zeal.inference.paged_flex import FlexPagedAttention
 
     bs = runner.block_size
     width = -(-max_seq_tokens // bs)
@@ -171,23 +184,41 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
              "slots": InputSpec((), torch.int64, runner.scratch_slot), "tables": InputSpec((width,), torch.int32),
              "lens": InputSpec((), torch.int32, 1)}
 
+    backend = runner.attn_backend
+    # compiled with the fused CPU kernels: their attention runs outside the graph (OpaqueAttention)
+    opaque = compile and runner.kernels is not None and backend is None
+    if compile and not opaque:
+        backend = backend or FlexPagedAttention()
+
     def forward(inp: dict[str, torch.Tensor]) -> torch.Tensor:
         n = inp["ids"].shape[0]
-        meta = AttentionMetadata(slot_mapping=inp["slots"], kernels=runner.kernels, backend=runner.attn_backend)
+        meta = AttentionMetadata(slot_mapping=inp["slots"], kernels=runner.kernels, backend=backend)
         meta.decodes = DecodeTables(slice(0, n), inp["tables"], inp["lens"])
         attention = PagedAttention(runner.k_cache, runner.v_cache, meta)
+        if opaque:
+            attention = OpaqueAttention(attention)
         return runner.model(inp["ids"], positions=inp["pos"], attention=attention)
 
-    factory = graph_factory or cuda_graph_factory()
-    return DecodeGraphs(forward, specs, max_num_seqs, runner.device, factory, enforce_eager)
+    step = compile_step(forward, len(decode_buckets(max_num_seqs)), runner.model.num_layers) if compile else forward
+    cuda = runner.device.type == "cuda" and torch.cuda.is_available()
+    factory = graph_factory or (cuda_graph_factory() if cuda or not compile else None)
+    return DecodeGraphs(step, specs, max_num_seqs, runner.device, factory, enforce_eager)
 
 
 def enable_for_engine(runner, model, max_num_seqs: int, max_seq_tokens: int, enforce_eager: bool,
-                      tensor_parallel: bool) -> bool:
+                      tensor_parallel: bool, compile: bool = False) -> bool:
     """Turn on decode graphs where they apply: CUDA with the batched attention backend, one
-    process, resident weights, not ``enforce_eager``. Returns whether they are on."""
-    if (enforce_eager or tensor_parallel or runner.attn_backend is None or runner.device.type != "cuda"
-            or not torch.cuda.is_available() or getattr(model, "weight_streamer", None) is not None):
+    process, resident weights, not ``enforce_eager``; ``compile`` (the engine's
+    compilation level, :func:`zeal.inference.compiled_decode.compile_level`): their step
+    compiled, and on CPU the compiled step without graphs. Returns whether either is on."""
+    if enforce_eager or tensor_parallel or getattr(model, "weight_streamer", None) is not None:
         return False
-    runner.enable_decode_graphs(max_num_seqs, max_seq_tokens)
+    cuda = runner.device.type == "cuda" and torch.cuda.is_available()
+    if compile and not cuda and (runner.kernels is None or runner.attn_backend is not None):
+        compile = False  # on CPU the compiled step keeps the fused kernels' attention (see compiled_decode)
+        log.warning("compilation_config: a compiled decode step on CPU needs the fused CPU kernels and the "
+                    "default attention; decoding eagerly")
+    if not compile and (runner.attn_backend is None or not cuda):
+        return False
+    runner.enable_decode_graphs(max_num_seqs, max_seq_tokens, compile=compile)
     return True

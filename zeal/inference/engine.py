@@ -21,6 +21,7 @@ from torch import nn
 
 from zeal.config.inference import EngineConfig
 from zeal.inference.block_manager import BlockManager
+from zeal.inference.compiled_decode import compile_level
 from zeal.inference.cuda_graphs import enable_for_engine
 from zeal.inference.device_sampler import apply_masks, sample_batch, verify_targets
 from zeal.inference.gpu_defaults import engine_sizes
@@ -34,6 +35,7 @@ from zeal.inference.scheduler import Scheduler, SchedulerConfig
 from zeal.inference.sequence import ScheduledChunk, SchedulerOutput, SeqStatus, Sequence
 from zeal.inference.sleep import EngineAsleepError, Released, release, restore
 from zeal.inference.speculative import accept, draft_for, num_drafts
+from zeal.inference.step_overlap import StepOverlap, async_scheduling_on
 from zeal.inference.structured import GrammarCompiler, GrammarError, check, grammar_masks
 from zeal.inference.tensor_parallel import GroupFailedError
 from zeal.inference.tokenizer import Tokenizer
@@ -75,7 +77,8 @@ class LLMEngine:
         # CPU: the config's sizes; CUDA: vLLM's defaults for those not given (gpu_defaults)
         sizes = engine_sizes(cfg, smodel, p.device, kv_bytes_per_block(smodel, bs, p.dtype, tp_size))
         num_blocks = sizes.num_blocks
-        self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size)
+        level = compile_level(cfg, p.device)  # torch.compile of the decode step (compiled_decode)
+        self.runner = ModelRunner(smodel, num_blocks, bs, tp_size=tp_size, scratch=level > 0 and tp is None)
         if tp is not None:
             tp.attach(self.runner)  # the other ranks build their runners alike and follow rank 0's passes
         self.bm = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
@@ -84,7 +87,9 @@ class LLMEngine:
         self.max_seq_tokens = min(self.max_model_len, num_blocks * bs)
         self.vocab_size = smodel.config.vocab_size
         enable_for_engine(self.runner, smodel, sizes.max_num_seqs, self.max_seq_tokens, cfg.enforce_eager,
-                          tp is not None)  # CUDA graphs for decode steps (cuda_graphs)
+                          tp is not None, level > 0)  # CUDA graphs for decode steps (cuda_graphs)
+        # async scheduling: the next step launched before this one's ids are read (step_overlap)
+        self.overlap = StepOverlap(self) if async_scheduling_on(cfg, p.device, tp is not None) else None
         self.drafter = None  # speculative_config method 'draft_model': zeal.inference.draft_model
         spec = cfg.speculative_config
         if spec is not None and spec.method == "draft_model":
@@ -207,7 +212,7 @@ class LLMEngine:
         return self.loras
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.overlap is not None and self.overlap.pending is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -240,6 +245,8 @@ class LLMEngine:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self._sleep_level:
             raise RuntimeError(f"the engine is already asleep (level {self._sleep_level})")
+        if self.overlap is not None and not self.requests:
+            self.overlap.flush()  # a step in flight for aborted requests only: its ids are dropped
         if self.requests or self.scheduler.has_unfinished():
             raise RuntimeError(f"cannot sleep with {len(self.requests)} unfinished request(s): let them finish "
                                "or abort them first")
@@ -288,8 +295,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """One forward pass. Returns an output for every request that progressed or ended."""
+        """One forward pass. Returns an output for every request that progressed or ended
+        (with async scheduling: in the step before the one it launches)."""
         self._check_awake()
+        return self._step() if self.overlap is None else self.overlap.step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         if self.config.speculative_config is not None:
             self._propose_drafts()

@@ -23,7 +23,7 @@ from zeal.inference.kernels import cpu_kernels
 from zeal.inference.packed_linear import packed_linears_for
 from zeal.inference.paged_flex import attention_backend
 from zeal.inference.sequence import SchedulerOutput
-from zeal.inference.step_inputs import StepInputPacker
+from zeal.inference.step_inputs import StepInputPacker, fill_ids
 
 # what a model must have to be served: zeal's GPT and Llama have them all
 SERVING_ATTRS = ("num_layers", "num_kv_heads", "head_dim", "max_positions", "config")
@@ -63,6 +63,9 @@ class StepPlan:
     dec_lens: list[int] = field(default_factory=list)
     prefills: list[list] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)  # LoRA slot per row (empty: no row has an adapter)
+    # async scheduling: rows whose token id is the previous step's sampled token ``fill_src`` (on the device)
+    fill_rows: list[int] = field(default_factory=list)
+    fill_src: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -93,7 +96,9 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, scratch: bool = False) -> None:
+        """``scratch``: keep a scratch cache block (padding rows of a compiled or graphed decode
+        write there) also without the batched attention backend."""
         self.model = as_serving_model(model)
         p = next(self.model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -109,7 +114,10 @@ class ModelRunner:
         self.graphs = None  # zeal.inference.cuda_graphs.DecodeGraphs (enable_decode_graphs)
         # with the backend, one scratch block past the block manager's: padding rows of a graphed decode write there
         self.scratch_slot = num_blocks * block_size
-        extra = 1 if self.attn_backend is not None else 0
+        extra = 1 if self.attn_backend is not None or scratch else 0
+        # async scheduling (step_overlap): the step in flight's sampled ids (device) and each sequence's row
+        self.prev_tokens: torch.Tensor | None = None
+        self.prev_rows: dict[int, int] = {}
         shape = (num_blocks + extra, self.model.num_kv_heads // tp_size, block_size, self.model.head_dim)
         # rank 0 under tensor parallelism: ``tp_driver.pass_of(plan)`` sends each plan to the other ranks
         self.tp_driver = None
@@ -181,6 +189,11 @@ class ModelRunner:
             if any_lora:
                 p.lora_slots.extend([seq.lora_slot] * n)
             p.ids.extend(seq.fed_tokens(start, n) if c.num_draft else seq.tokens[start : start + n])
+            src = self.prev_rows.get(seq.seq_id) if self.prev_rows else None
+            if src is not None and start + n == seq.num_tokens:  # its last token is still on the device
+                p.ids[-1] = 0
+                p.fill_rows.append(row0 + n - 1)
+                p.fill_src.append(src)
             p.pos.extend(range(start, start + n))
             table = seq.block_table
             p.slots.extend(table[q // bs] * bs + q % bs for q in range(start, start + n))
@@ -203,6 +216,7 @@ class ModelRunner:
                 p.prefills.append([row0, n, start + n, table])
         if self.pad_single_rows and len(p.ids) == 1:  # the row twice (same slot, same context); row 0 is sampled
             p.ids, p.pos, p.slots, p.lora_slots = p.ids * 2, p.pos * 2, p.slots * 2, p.lora_slots * 2
+            p.fill_rows, p.fill_src = p.fill_rows + [1] * len(p.fill_rows), p.fill_src * 2
             if p.dec_rows:
                 p.dec_rows, p.dec_tables, p.dec_lens = [0, 1], p.dec_tables * 2, p.dec_lens * 2
             else:
@@ -214,7 +228,7 @@ class ModelRunner:
         """The pass's tensors: token ids, positions, attention metadata, rows to sample."""
         p = out if isinstance(out, StepPlan) else self.plan(out)
         if self.packer is not None:
-            return self.packer.prepare(p, self.kernels, self.attn_backend)
+            return self.packer.prepare(p, self.kernels, self.attn_backend, self.prev_tokens)
         bs, dev = self.block_size, self.device
         prefills = [PrefillChunk(row0, n, ctx, torch.tensor(table, dtype=torch.int32, device=dev))
                     for row0, n, ctx, table in p.prefills]
@@ -224,8 +238,11 @@ class ModelRunner:
             meta.decodes = decode_tables(p.dec_rows, p.dec_tables, p.dec_lens, bs, dev)
         elif p.dec_rows:
             meta.decodes = plan_decodes(p.dec_rows, p.dec_tables, p.dec_lens, bs, dev)
-        return (torch.tensor(p.ids, device=dev), torch.tensor(p.pos, device=dev), meta,
-                torch.tensor(p.sample_rows, device=dev, dtype=torch.long))
+        ids = torch.tensor(p.ids, device=dev)
+        if p.fill_rows:
+            fill_ids(ids, torch.tensor(p.fill_rows, device=dev), torch.tensor(p.fill_src, device=dev),
+                     self.prev_tokens)
+        return ids, torch.tensor(p.pos, device=dev), meta, torch.tensor(p.sample_rows, device=dev, dtype=torch.long)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run one pass; returns logits ``(num_sampled_rows, vocab)`` in chunk order, in the
@@ -253,18 +270,24 @@ class ModelRunner:
             return self._forward(input_ids, positions, attention, sample_rows)
 
     def enable_decode_graphs(self, max_num_seqs: int, max_seq_tokens: int, enforce_eager: bool = False,
-                             graph_factory=None) -> None:
+                             graph_factory=None, compile: bool = False) -> None:
         """Run decode-only passes through graphs captured per batch-size bucket
-        (:mod:`zeal.inference.cuda_graphs`; ``graph_factory``: CUDA graphs by default)."""
+        (:mod:`zeal.inference.cuda_graphs`; ``graph_factory``: CUDA graphs by default, None
+        off CUDA), of a step compiled by ``torch.compile`` per bucket when ``compile``."""
         from zeal.inference.cuda_graphs import runner_decode_graphs
 
-        if self.attn_backend is None:
+        if self.attn_backend is None and not compile:
             raise ValueError("decode graphs need the batched attention backend (ZEAL_ATTENTION_BACKEND=flex)")
-        self.graphs = runner_decode_graphs(self, max_num_seqs, max_seq_tokens, enforce_eager, graph_factory)
+        if self.k_cache[0].shape[0] <= self.num_blocks:
+            raise ValueError("a compiled decode step needs the runner's scratch block (ModelRunner(scratch=True))")
+        self.graph_packer = self.packer or StepInputPacker(self.device, self.block_size)
+        self.graphs = runner_decode_graphs(self, max_num_seqs, max_seq_tokens, enforce_eager, graph_factory, compile)
 
     def _graphed_decode(self, plan: StepPlan) -> torch.Tensor:
         """A decode-only pass through :attr:`graphs` (inputs from one packed transfer)."""
-        f, _ = self.packer.transfer(plan)
+        f, _ = self.graph_packer.transfer(plan)
+        if plan.fill_rows:
+            fill_ids(f["ids"], f["fill_rows"], f["fill_src"], self.prev_tokens)
         tables = f["dec_tables"]
         tables = torch.nn.functional.pad(tables, (0, self.graphs.static["tables"].shape[1] - tables.shape[1]))
         return self.graphs.run({"ids": f["ids"], "pos": f["pos"], "slots": f["slots"], "tables": tables,

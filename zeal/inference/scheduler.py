@@ -132,7 +132,9 @@ class Scheduler:
         self.waiting.insert(i, seq)
         out.preempted.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, hold: set[int] | frozenset[int] = frozenset()) -> SchedulerOutput:
+        """The next pass. ``hold``: ids of decoding sequences to leave out of it (async scheduling:
+        those certain to finish with the token in flight)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         max_seqs = self.config.max_num_seqs
@@ -142,7 +144,7 @@ class Scheduler:
         keep = min(len(prompt_groups), max_seqs // 2, budget // 2)  # kept back for the prompt work
 
         # 1. decode tokens first, groups interleaved, oldest first within a group
-        for seq in interleave([s for s in self.running if s.is_decoding]):
+        for seq in interleave([s for s in self.running if s.is_decoding and s.seq_id not in hold]):
             if budget <= keep or len(out.chunks) >= max_seqs - keep:
                 break
             if seq.status is not SeqStatus.RUNNING or not seq.is_decoding:

@@ -64,6 +64,10 @@ def pack_plan(plan, block_size: int) -> tuple[list[int], list[int], PackedLayout
     put("pos", plan.pos, (t,), True)
     put("slots", plan.slots, (t,), True)
     put("sample_rows", plan.sample_rows, (len(plan.sample_rows),), True)
+    fill = getattr(plan, "fill_rows", None)
+    if fill:  # async scheduling: rows whose id is the previous step's sampled token fill_src
+        put("fill_rows", fill, (len(fill),), True)
+        put("fill_src", plan.fill_src, (len(fill),), True)
     if plan.dec_rows:
         used = [_used(tb, n, block_size) for tb, n in zip(plan.dec_tables, plan.dec_lens)]
         w = max(map(len, used))
@@ -98,6 +102,13 @@ def unpack(buf: torch.Tensor, layout: PackedLayout) -> dict[str, torch.Tensor]:
         src = v64 if sec == "i64" else v32
         out[name] = src[off : off + _numel(shape)].view(shape)
     return out
+
+
+def fill_ids(ids: torch.Tensor, rows: torch.Tensor, src: torch.Tensor, prev: torch.Tensor | None) -> None:
+    """Async scheduling: ``ids[rows] = prev[src]`` on the device (the previous step's sampled ids)."""
+    if prev is None:
+        raise RuntimeError("a step reads the previous step's tokens, but none are in flight")
+    ids.index_copy_(0, rows, prev.index_select(0, src).to(ids.dtype))
 
 
 class StepInputPacker:
@@ -141,12 +152,16 @@ class StepInputPacker:
         self.transfers += 1
         return unpack(dev, layout), layout
 
-    def prepare(self, plan, kernels: object | None = None, backend: object | None = None):
+    def prepare(self, plan, kernels: object | None = None, backend: object | None = None,
+                prev_tokens: torch.Tensor | None = None):
         """What :meth:`ModelRunner.prepare` returns (ids, positions, metadata, sample rows),
         from one transfer; ``meta.decodes`` is :class:`DecodeTables` (the block tables read
         by the fused CPU kernels or ``backend``) and ``meta.prefill_batch`` the padded
-        prompt chunks."""
+        prompt chunks. ``prev_tokens``: the step in flight's sampled ids (device), read by
+        the plan's ``fill_rows`` (async scheduling)."""
         f, _ = self.transfer(plan)
+        if "fill_rows" in f:
+            fill_ids(f["ids"], f["fill_rows"], f["fill_src"], prev_tokens)
         prefills = []
         if plan.prefills:
             tabs = f["pre_tables"]
