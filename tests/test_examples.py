@@ -5,15 +5,22 @@ says what it shows: the loss per step, the sample, the served model's name.
 The examples written for the embedded SmolLM2-135M-Instruct run its API path on a random
 2-layer model with SmolLM2's tokenizer and chat template (``--model``: each loads, trains,
 compresses or serves it as it would the real one, in a fraction of the time); one of them
-(``evaluate.py``, the cheapest) runs on the embedded model itself."""
+(``evaluate.py``, the cheapest) runs on the embedded model itself.
+
+The default tier starts each example as a process forked from the test harness's warm
+server (torch, transformers and zeal already imported: tests/dist_harness.py), with the
+example's own command line, working folder, environment and ``sys.path[0]``; the long tier
+(``-m slow``) starts each one as a fresh interpreter, imports and all."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
@@ -71,22 +78,85 @@ def test_every_example_is_listed_and_documents_its_toy_size():
         assert text.startswith('"""') and "--toy" in text and f"examples/{path.name}" in text, path.name
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", sorted(EXPECT))
-def test_example_runs_at_toy_size(name, tmp_path, request):
+def _run_example(argv: list[str], cwd: str, env: dict[str, str], log: str) -> None:
+    """``python ARGV`` in this (forked) process: its environment, working folder,
+    ``sys.argv`` and ``sys.path[0]`` (the script's folder; ``-m MODULE``: the working
+    folder), stdout and stderr to ``LOG.out`` / ``LOG.err``; exits with the script's status."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        f = os.open(log + suffix, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = argv[1:]  # run_module sets argv[0] to the module's file, as python -m does
+            sys.path.insert(0, cwd)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, str(Path(argv[0]).parent))
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported as python reports it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _forked(argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, str]:
+    """(status, stdout, stderr) of ``python ARGV`` run in a process forked from the warm server."""
+    from tests.dist_harness import _context
+
+    log = f"{cwd}-example"  # beside the working folder, not in it
+    proc = _context().Process(target=_run_example, args=(argv, str(cwd), env, log))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        pytest.fail(f"{argv[0]} did not finish in {timeout} s")
+    return proc.exitcode, Path(log + ".out").read_text(), Path(log + ".err").read_text()
+
+
+def _check_example(name: str, tmp_path: Path, request, fresh: bool) -> None:
     lines, needs = EXPECT[name]
     for pkg in needs:
         if importlib.util.find_spec(pkg) is None:
             pytest.skip(f"{name} needs {pkg}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, *LAUNCH.get(name, []), str(ROOT / "examples" / name), "--toy"]
+    argv = [*LAUNCH.get(name, []), str(ROOT / "examples" / name), "--toy"]
     if name in ON_TINY:
         argv += ["--model", str(request.getfixturevalue("tiny_smollm2"))]
-    proc = subprocess.run(argv, cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    if fresh:
+        proc = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=280)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        code, out, err = _forked(argv, tmp_path, env, timeout=280)
+    assert code == 0, out[-2000:] + err[-3000:]
     for line in lines:
-        assert line in proc.stdout, (line, proc.stdout[-2000:])
+        assert line in out, (line, out[-2000:])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_example_runs_at_toy_size(name, tmp_path, request):
+    _check_example(name, tmp_path, request, fresh=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_example_runs_at_toy_size_in_a_fresh_interpreter(name, tmp_path, request):
+    _check_example(name, tmp_path, request, fresh=True)
 
 
 def test_readme_example_commands_name_real_files_and_flags():

