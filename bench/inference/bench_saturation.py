@@ -193,18 +193,34 @@ def prompts_for(n: int, vocab: int, length: int, seed: int) -> list[list[int]]:
 
 
 async def saturation(base: str, *, vocab: int, prompt_tokens: int, new_tokens: int, concurrency: int,
-                     seconds: float, timeout: float) -> dict:
+                     seconds: float, timeout: float, min_completed: int = 0, max_seconds: float | None = None) -> dict:
     """Closed loop: ``concurrency`` clients back to back (started over the first eighth);
-    returns completions/s after a warm-up quarter. ``errors`` counts 429s and failures."""
+    returns completions/s after a warm-up quarter. ``errors`` counts 429s and failures.
+
+    With ``min_completed``, the loop runs past ``seconds`` until that many completions fall in
+    the measured window (at most ``max_seconds`` in all): on a loaded machine a fixed window
+    may hold too few requests to give a rate."""
     done_at: list[float] = []
     errors: list[str] = []
     t0 = time.perf_counter()
-    end = t0 + seconds
+    start = t0 + seconds / 4
+    hard_end = t0 + max(seconds, max_seconds or seconds)
+    end = t0 + seconds  # moved on while the window holds fewer than ``min_completed``
     prompts = iter(prompts_for(100_000, vocab, prompt_tokens, seed=1))
+
+    def running() -> bool:
+        nonlocal end
+        now = time.perf_counter()
+        if now < end:
+            return True
+        if now < hard_end and sum(t >= start for t in done_at) < min_completed:
+            end = now + 0.05
+            return True
+        return False
 
     async def worker(client: httpx.AsyncClient, delay: float) -> None:
         await asyncio.sleep(delay)  # a ramp, not a burst: a burst overflows the queue before any step runs
-        while time.perf_counter() < end:
+        while running():
             res = await one_request(client, base, next(prompts), new_tokens, timeout)
             if res.kind == "ok":
                 done_at.append(time.perf_counter())
@@ -215,10 +231,9 @@ async def saturation(base: str, *, vocab: int, prompt_tokens: int, new_tokens: i
     async with make_client() as client:
         ramp = seconds / 8
         await asyncio.gather(*(worker(client, ramp * i / concurrency) for i in range(concurrency)))
-    start = t0 + seconds / 4
     window = [t for t in done_at if start <= t <= end]
     return {"req_per_s": len(window) / (end - start), "completed": len(done_at), "errors": len(errors),
-            "concurrency": concurrency, "seconds": seconds, "error_sample": errors[:3]}
+            "concurrency": concurrency, "seconds": end - t0, "error_sample": errors[:3]}
 
 
 def pct(xs: list[float], q: float) -> float:

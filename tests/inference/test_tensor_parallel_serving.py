@@ -62,14 +62,14 @@ def _gpt():
     return GPT(GPTConfig(vocab_size=VOCAB, n_positions=128, n_embd=64, n_layer=2, n_head=4))
 
 
-def _ranks(rank: int, world: int, llama_dir: str) -> list:
+def _ranks(rank: int, world: int, llama_dir: str, cases: tuple[tuple[str, str], ...]) -> list:
     """Every rank builds its LLM (a launched job); rank 0 generates and compares with TP 1."""
     import zeal.inference.model_runner as mr
     from zeal.inference import LLM
 
     fused = mr.cpu_kernels
     results = []
-    for kind, kernels in (("llama", "fused"), ("llama", "torch"), ("gpt", "fused"), ("gpt", "torch")):
+    for kind, kernels in cases:
         mr.cpu_kernels = fused if kernels == "fused" else (lambda: None)
         source = llama_dir if kind == "llama" else _gpt()
         llm = LLM(source, tensor_parallel_size=2, **ENGINE)
@@ -84,9 +84,13 @@ def _ranks(rank: int, world: int, llama_dir: str) -> list:
     return results
 
 
-def test_tp2_greedy_tokens_equal_tp1_launched_ranks(llama_dir):
-    results = run_ranks(_ranks, 2, str(llama_dir), timeout=100)[0]
-    assert len(results) == 4
+# the default tier covers each model and each kernel path once; the long tier the other pairs
+@pytest.mark.parametrize("cases", [
+    pytest.param((("llama", "fused"), ("gpt", "torch")), id="llama-fused,gpt-torch"),
+    pytest.param((("llama", "torch"), ("gpt", "fused")), id="llama-torch,gpt-fused", marks=pytest.mark.slow)])
+def test_tp2_greedy_tokens_equal_tp1_launched_ranks(llama_dir, cases):
+    results = run_ranks(_ranks, 2, str(llama_dir), cases, timeout=100)[0]
+    assert [(kind, kernels) for kind, kernels, *_ in results] == list(cases)
     for kind, kernels, (tp_toks, tp_lps), (toks, lps) in results:
         assert tp_toks == toks, (kind, kernels)
         err = max(abs(a - b) for x, y in zip(tp_lps, lps) for a, b in zip(x, y))
