@@ -30,26 +30,37 @@ def _python(code: str, **env: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_import_zeal_has_no_side_effects_on_the_process():
-    out = _python(
-        "import json, os, torch; env = dict(os.environ); n = torch.get_num_threads()\n"
-        "import zeal, zeal.inference, zeal.config, zeal.utils.process\n"
-        "print(json.dumps({'env': {k: v for k, v in os.environ.items() if env.get(k) != v},\n"
-        "                  'gone': sorted(set(env) - set(os.environ)), 'threads': [n, torch.get_num_threads()]}))")
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict:
+    """What importing zeal does in a fresh interpreter, one interpreter for every check:
+    ``import zeal`` alone, then ``zeal.inference``, then the other packages, then the lazy
+    names (each step sees exactly what it would see first in a fresh interpreter, as the
+    earlier steps are imported by it anyway; torch first, as a user's script has it)."""
+    return _python(
+        "import json, os, sys, torch; env = dict(os.environ); n = torch.get_num_threads()\n"
+        "def loaded(*stacks): return sorted(m for m in sys.modules if m.startswith(stacks))\n"
+        "import zeal\n"
+        "bare = loaded('zeal.train', 'zeal.zero', 'zeal.inference')\n"
+        "import zeal.inference\n"
+        "inference = loaded('zeal.train', 'zeal.zero')\n"
+        "import zeal.config, zeal.utils.process\n"
+        "out = {'env': {k: v for k, v in os.environ.items() if env.get(k) != v},\n"
+        "       'gone': sorted(set(env) - set(os.environ)), 'threads': [n, torch.get_num_threads()],\n"
+        "       'bare': bare, 'inference': inference}\n"
+        "out['lazy'] = [zeal.initialize.__module__, zeal.LLM.__module__]\n"
+        "print(json.dumps(out))")
+
+
+def test_import_zeal_has_no_side_effects_on_the_process(fresh_imports):
+    out = fresh_imports
     assert out["env"] == {} and out["gone"] == []
     assert out["threads"][0] == out["threads"][1]
 
 
-def test_import_zeal_inference_does_not_load_the_training_stack():
-    out = _python("import json, sys; import zeal.inference\n"
-                  "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('zeal.train', 'zeal.zero')))))")
-    assert out == []
-    out = _python("import json, sys; import zeal\n"
-                  "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('zeal.train', 'zeal.zero',\n"
-                  "                                                                 'zeal.inference')))))")
-    assert out == []  # `import zeal` loads neither stack until it is used
-    out = _python("import json, zeal; print(json.dumps([zeal.initialize.__module__, zeal.LLM.__module__]))")
-    assert out == ["zeal.train.build", "zeal.inference.llm"]
+def test_import_zeal_inference_does_not_load_the_training_stack(fresh_imports):
+    assert fresh_imports["inference"] == []
+    assert fresh_imports["bare"] == []  # `import zeal` loads neither stack until it is used
+    assert fresh_imports["lazy"] == ["zeal.train.build", "zeal.inference.llm"]
 
 
 def _thp_available() -> bool:
@@ -68,22 +79,34 @@ HUGE = ("big = torch.ones(64 << 20)\n"  # 256 MB: on huge pages if torch saw THP
 def test_the_commands_apply_huge_pages_before_torch_allocates(command):
     """The commands build their config (importing torch and the model code) and then
     apply the process section: torch must not have allocated before, or it never reads
-    THP_MEM_ALLOC_ENABLE. Off by config, nothing is set."""
+    THP_MEM_ALLOC_ENABLE. Off by config, nothing is set. One fresh interpreter builds both
+    configs and forks before torch allocates: the child applies the default config, the
+    parent (after it) the one turned off; each then allocates and reads its huge pages."""
     build = {
-        "train": "from zeal.cli.train import build_spec\nfrom zeal.cli.main import build_parser\n"
-                 "args, extra = build_parser('train')[0].parse_known_args(['train'] + FLAGS)\n"
-                 "cfg = build_spec(args, extra)\n",
-        "serve": "from zeal.cli.serve import config_from_args\nfrom zeal.cli.main import build_parser\n"
-                 "args = build_parser('serve')[0].parse_args(['serve'] + FLAGS)\ncfg = config_from_args(args)\n",
+        "train": "def build(FLAGS):\n    from zeal.cli.train import build_spec\n"
+                 "    from zeal.cli.main import build_parser\n"
+                 "    args, extra = build_parser('train')[0].parse_known_args(['train'] + FLAGS)\n"
+                 "    return build_spec(args, extra)\n",
+        "serve": "def build(FLAGS):\n    from zeal.cli.serve import config_from_args\n"
+                 "    from zeal.cli.main import build_parser\n"
+                 "    return config_from_args(build_parser('serve')[0].parse_args(['serve'] + FLAGS))\n",
     }[command]
     off = {"train": ["--process.transparent_hugepages", "false"], "serve": ["--no-transparent-hugepages"]}[command]
-    for flags, on in (([], True), (off, False)):
-        out = _python(f"import json, os, torch\nFLAGS = {flags!r}\n{build}"
-                      "from zeal.utils.process import apply_process_settings\n"
-                      f"apply_process_settings(cfg.process)\n{HUGE}"
-                      "print(json.dumps([os.environ.get('THP_MEM_ALLOC_ENABLE'), huge]))")
-        assert out[0] == ("1" if on else None)
-        assert (out[1] > 0) is on, out
+    out = _python(f"import json, os, torch\n{build}"
+                  f"cfgs = {{'on': build([]), 'off': build({off!r})}}\n"
+                  "from zeal.utils.process import apply_process_settings\n"
+                  "r, w = os.pipe()\n"
+                  "pid = os.fork()\n"
+                  "which = 'on' if pid == 0 else 'off'\n"
+                  "if pid:\n    os.close(w)\n    got = json.loads(os.read(r, 4096))\n"
+                  "    assert os.waitpid(pid, 0)[1] == 0\n"
+                  f"apply_process_settings(cfgs[which].process)\n{HUGE}"
+                  "mine = [os.environ.get('THP_MEM_ALLOC_ENABLE'), huge]\n"
+                  "if pid == 0:\n    os.write(w, json.dumps(mine).encode())\n    os._exit(0)\n"
+                  "print(json.dumps({'on': got, 'off': mine}))")
+    for case, on in (("on", True), ("off", False)):
+        assert out[case][0] == ("1" if on else None), out
+        assert (out[case][1] > 0) is on, out
 
 
 def test_process_settings_threads_and_environment_override(monkeypatch):
