@@ -6,6 +6,8 @@ template of a fine-tuned Hugging Face folder goes with it."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -27,6 +29,18 @@ def zeal(env: dict, *args: str) -> str:
                        text=True, timeout=240)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     return r.stdout
+
+
+def export(*args: str) -> str:
+    """``zeal checkpoint export ARGS`` through the command line's entry point, in this process
+    (the command only reads and writes files); what it printed."""
+    from zeal.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["checkpoint", "export", *args])
+    assert rc == 0, (out.getvalue() + err.getvalue())[-4000:]
+    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +75,9 @@ def _zeal_greedy(folder: Path, prompts: list[str], n: int, **kwargs) -> list[lis
 
 @pytest.mark.timeout(300)
 def test_exported_run_generates_in_transformers_as_in_zeal(run, tmp_path):
-    run_dir, env = run
+    run_dir, _ = run
     out = tmp_path / "hf"
-    printed = zeal(env, "checkpoint", "export", str(run_dir), str(out))
+    printed = export(str(run_dir), str(out))
     assert "tokenizer from" in printed and "<|endoftext|>" in printed, printed
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         assert (out / name).is_file(), name
@@ -82,15 +96,15 @@ def test_exported_run_generates_in_transformers_as_in_zeal(run, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_checkpoint_away_from_its_run_takes_tokenizer_flag(run, tmp_path):
-    run_dir, env = run
+    run_dir, _ = run
     ckpts = tmp_path / "ckpts"
     shutil.copytree(run_dir / "checkpoints", ckpts)
     bare = tmp_path / "bare"
-    assert "no tokenizer found" in zeal(env, "checkpoint", "export", str(ckpts), str(bare))
+    assert "no tokenizer found" in export(str(ckpts), str(bare))
     config = json.loads((bare / "config.json").read_text())
     assert config["eos_token_id"] is None and not (bare / "tokenizer.json").exists()  # never GPT-2's 50256
     out = tmp_path / "hf"
-    zeal(env, "checkpoint", "export", str(ckpts), str(out), "--tokenizer", str(run_dir / "tokenizer.json"))
+    export(str(ckpts), str(out), "--tokenizer", str(run_dir / "tokenizer.json"))
     assert transformers.AutoTokenizer.from_pretrained(out).eos_token_id == 0
     # LLM(path, tokenizer=...) uses the tokenizer given for the weights-only folder
     assert _zeal_greedy(bare, PROMPTS[:1], 6, tokenizer=run_dir / "tokenizer.json") == _hf_greedy(out, PROMPTS[:1], 6)

@@ -106,7 +106,7 @@ def _kill_trials(tmp_path: Path, trials: int) -> None:
 
 @pytest.mark.timeout(180)
 def test_kill_during_save_keeps_newest_committed(tmp_path):
-    _kill_trials(tmp_path, 20)
+    _kill_trials(tmp_path, 10)  # the long tier's test_kill_during_save_many runs 200
 
 
 @pytest.mark.slow

@@ -2,9 +2,18 @@
 raises is named in one line; a hang ends with the hang-forensics report naming the rank
 that skipped a collective; a launch past its time limit is ended (status 124) with each
 rank's last records. Real torchrun, two ranks, each a script under ``zeal.dist.rank_main``.
+
+The time-limit launch spends most of its time waiting for its limit: it runs in a launcher
+process of its own (stderr piped, as a terminal would get it), started with the module,
+beside the other launches.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,10 +49,39 @@ if os.environ["RANK"] == "1":
 """
 
 
+ROOT = Path(__file__).resolve().parents[2]
+LIMIT_S = 8  # the time-limit launch's; it starts beside the other launches
+
+
 def _launch(tmp_path, source: str, **kw) -> int:
     script = tmp_path / "job.py"
     script.write_text(source)
     return launch_ranks([RANK_MAIN, str(script)], 2, prog="zeal test", log_dir=tmp_path / "logs", **kw)
+
+
+def _start(tmp_path: Path, source: str, **kw) -> tuple[subprocess.Popen, Path]:
+    """``_launch`` in a launcher process of its own; returns it and its log folder."""
+    script = tmp_path / "job.py"
+    script.write_text(source)
+    code = ("import sys\nfrom zeal.dist.launch import RANK_MAIN, launch_ranks\n"
+            f"sys.exit(launch_ranks([RANK_MAIN, {str(script)!r}], 2, prog='zeal test', "
+            f"log_dir={str(tmp_path / 'logs')!r}, **{kw!r}))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, tmp_path / "logs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def limit_launch(tmp_path_factory):
+    """The time-limit launch, started when the module starts (it ends by itself, at its limit)."""
+    proc, logs = _start(tmp_path_factory.mktemp("limit"), SLEEPS, timeout_s=LIMIT_S)
+    yield proc, logs
+    try:
+        proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
 
 
 def test_rank_env_and_argv():
@@ -73,10 +111,11 @@ def test_a_hang_ends_with_the_forensics_report(tmp_path, capfd):
     assert err.strip().splitlines()[-1].startswith("zeal test: error: rank "), err
 
 
-@pytest.mark.timeout(90)
-def test_a_launch_past_its_time_limit_is_ended_with_each_ranks_records(tmp_path, capfd):
-    assert _launch(tmp_path, SLEEPS, timeout_s=6) == TIMEOUT_STATUS
-    err = capfd.readouterr().err
+@pytest.mark.timeout(120)
+def test_a_launch_past_its_time_limit_is_ended_with_each_ranks_records(limit_launch):
+    proc, logs = limit_launch
+    _, err = proc.communicate(timeout=100)
+    assert proc.returncode == TIMEOUT_STATUS, err
     assert "rank 1: the launch's time limit ran out" in err, err
-    assert err.strip().splitlines()[-1] == (f"zeal test: error: the ranks did not finish within 6 s (--timeout); "
-                                            f"their logs: {tmp_path / 'logs'}"), err
+    assert err.strip().splitlines()[-1] == (f"zeal test: error: the ranks did not finish within {LIMIT_S} s "
+                                            f"(--timeout); their logs: {logs}"), err

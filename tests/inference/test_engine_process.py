@@ -100,11 +100,12 @@ def test_load_failure_is_one_error_at_start(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_dead_engine_answers_503(llama_dir, serve_app):
-    ep = EngineProcess(_cfg(llama_dir), Tokenizer.from_folder(llama_dir), max_waiting=4)
-    with serve_app(build_app(ep, "tiny")) as base:
-        assert _complete(base, "ok", 2)["usage"]["completion_tokens"] == 2
-        ep._proc.kill()
-        ep._proc.join(10)
-        r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=20)
-        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+def test_dead_engine_answers_503(process_server):
+    """Last in the file: it kills the module's engine process (the file runs in order, on
+    one worker), which saves starting another."""
+    base, ep = process_server
+    assert _complete(base, "ok", 2)["usage"]["completion_tokens"] == 2
+    ep._proc.kill()
+    ep._proc.join(10)
+    r = httpx.post(base + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=20)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"

@@ -30,28 +30,6 @@ def _python(code: str, **env: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_import_zeal_has_no_side_effects_on_the_process():
-    out = _python(
-        "import json, os, torch; env = dict(os.environ); n = torch.get_num_threads()\n"
-        "import zeal, zeal.inference, zeal.config, zeal.utils.process\n"
-        "print(json.dumps({'env': {k: v for k, v in os.environ.items() if env.get(k) != v},\n"
-        "                  'gone': sorted(set(env) - set(os.environ)), 'threads': [n, torch.get_num_threads()]}))")
-    assert out["env"] == {} and out["gone"] == []
-    assert out["threads"][0] == out["threads"][1]
-
-
-def test_import_zeal_inference_does_not_load_the_training_stack():
-    out = _python("import json, sys; import zeal.inference\n"
-                  "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('zeal.train', 'zeal.zero')))))")
-    assert out == []
-    out = _python("import json, sys; import zeal\n"
-                  "print(json.dumps(sorted(m for m in sys.modules if m.startswith(('zeal.train', 'zeal.zero',\n"
-                  "                                                                 'zeal.inference')))))")
-    assert out == []  # `import zeal` loads neither stack until it is used
-    out = _python("import json, zeal; print(json.dumps([zeal.initialize.__module__, zeal.LLM.__module__]))")
-    assert out == ["zeal.train.build", "zeal.inference.llm"]
-
-
 def _thp_available() -> bool:
     try:
         return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
@@ -59,31 +37,77 @@ def _thp_available() -> bool:
         return False
 
 
-HUGE = ("big = torch.ones(64 << 20)\n"  # 256 MB: on huge pages if torch saw THP_MEM_ALLOC_ENABLE=1 first
-        "huge = sum(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages'))\n")
+# One fresh interpreter for every check below (each interpreter start and `import torch` costs
+# seconds). Imports first, in the order a user's script has them: each step sees what it would
+# see first in a fresh interpreter, as the earlier steps are imported by it anyway. Then the
+# commands' config builds, and one fork per config before torch allocates anything: each child
+# applies its config as the command does, allocates 256 MB and reads its huge pages (torch
+# reads THP_MEM_ALLOC_ENABLE once, at its first allocation).
+FRESH = """
+import json, os, sys, torch
+env, n = dict(os.environ), torch.get_num_threads()
+def loaded(*stacks): return sorted(m for m in sys.modules if m.startswith(stacks))
+import zeal
+bare = loaded('zeal.train', 'zeal.zero', 'zeal.inference')
+import zeal.inference
+inference = loaded('zeal.train', 'zeal.zero')
+import zeal.config, zeal.utils.process
+out = {'env': {k: v for k, v in os.environ.items() if env.get(k) != v}, 'gone': sorted(set(env) - set(os.environ)),
+       'threads': [n, torch.get_num_threads()], 'bare': bare, 'inference': inference}
+out['lazy'] = [zeal.initialize.__module__, zeal.LLM.__module__]
+if HUGE_PAGES:
+    from zeal.cli.main import build_parser
+    from zeal.cli.serve import config_from_args
+    from zeal.cli.train import build_spec
+    def train(flags): return build_spec(*build_parser('train')[0].parse_known_args(['train'] + flags))
+    def serve(flags): return config_from_args(build_parser('serve')[0].parse_args(['serve'] + flags))
+    cfgs = {'train': train([]), 'train-off': train(['--process.transparent_hugepages', 'false']),
+            'serve': serve([]), 'serve-off': serve(['--no-transparent-hugepages'])}
+    from zeal.utils.process import apply_process_settings
+    out['huge'] = {}
+    for name, cfg in cfgs.items():
+        r, w = os.pipe()
+        if os.fork() == 0:
+            apply_process_settings(cfg.process)
+            big = torch.ones(64 << 20)  # 256 MB: on huge pages if torch saw THP_MEM_ALLOC_ENABLE=1 first
+            huge = sum(int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages'))
+            os.write(w, json.dumps([os.environ.get('THP_MEM_ALLOC_ENABLE'), huge]).encode())
+            os._exit(0)
+        os.close(w)
+        data = os.read(r, 4096)
+        assert os.wait()[1] == 0 and data, name  # the child's traceback is on stderr
+        out['huge'][name] = json.loads(data)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict:
+    """What importing zeal, and the commands' process settings, do in a fresh interpreter."""
+    return _python(f"HUGE_PAGES = {_thp_available()}\n{FRESH}")
+
+
+def test_import_zeal_has_no_side_effects_on_the_process(fresh):
+    assert fresh["env"] == {} and fresh["gone"] == []
+    assert fresh["threads"][0] == fresh["threads"][1]
+
+
+def test_import_zeal_inference_does_not_load_the_training_stack(fresh):
+    assert fresh["inference"] == []
+    assert fresh["bare"] == []  # `import zeal` loads neither stack until it is used
+    assert fresh["lazy"] == ["zeal.train.build", "zeal.inference.llm"]
 
 
 @pytest.mark.skipif(not _thp_available(), reason="transparent huge pages are off on this machine")
 @pytest.mark.parametrize("command", ["train", "serve"])
-def test_the_commands_apply_huge_pages_before_torch_allocates(command):
+def test_the_commands_apply_huge_pages_before_torch_allocates(command, fresh):
     """The commands build their config (importing torch and the model code) and then
     apply the process section: torch must not have allocated before, or it never reads
     THP_MEM_ALLOC_ENABLE. Off by config, nothing is set."""
-    build = {
-        "train": "from zeal.cli.train import build_spec\nfrom zeal.cli.main import build_parser\n"
-                 "args, extra = build_parser('train')[0].parse_known_args(['train'] + FLAGS)\n"
-                 "cfg = build_spec(args, extra)\n",
-        "serve": "from zeal.cli.serve import config_from_args\nfrom zeal.cli.main import build_parser\n"
-                 "args = build_parser('serve')[0].parse_args(['serve'] + FLAGS)\ncfg = config_from_args(args)\n",
-    }[command]
-    off = {"train": ["--process.transparent_hugepages", "false"], "serve": ["--no-transparent-hugepages"]}[command]
-    for flags, on in (([], True), (off, False)):
-        out = _python(f"import json, os, torch\nFLAGS = {flags!r}\n{build}"
-                      "from zeal.utils.process import apply_process_settings\n"
-                      f"apply_process_settings(cfg.process)\n{HUGE}"
-                      "print(json.dumps([os.environ.get('THP_MEM_ALLOC_ENABLE'), huge]))")
-        assert out[0] == ("1" if on else None)
-        assert (out[1] > 0) is on, out
+    for name, on in ((command, True), (f"{command}-off", False)):
+        got = fresh["huge"][name]
+        assert got[0] == ("1" if on else None), (name, got)
+        assert (got[1] > 0) is on, (name, got)
 
 
 def test_process_settings_threads_and_environment_override(monkeypatch):
