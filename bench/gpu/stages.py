@@ -12,6 +12,7 @@ recorded with its one-line error and the stage goes on: the run is a report, not
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -79,13 +80,31 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
+_BUILT: dict = {}
+
+
 def _hf_llama(shape: dict, layers: int | None = None, seed: int = 0):
+    """A fresh Hugging Face Llama of this shape, random weights from ``seed``: built once per
+    process (random initialisation is most of a toy stage's model cost, and seconds per copy
+    of the 1B model), then copied for each caller."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    key = (json.dumps(shape, sort_keys=True), layers, seed)
+    if key not in _BUILT:
+        torch.manual_seed(seed)
+        _BUILT[key] = LlamaForCausalLM(LlamaConfig(**(shape | ({"num_hidden_layers": layers} if layers else {}))))
+    return copy.deepcopy(_BUILT[key])
+
+
+def _zeal_llama(shape: dict, seed: int = 0):
+    """zeal's own Llama of this shape (no transformers import: the smoke step stays cheap)."""
+    import torch
+
+    from zeal.models.llama import Llama, LlamaConfig
+
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**(shape | ({"num_hidden_layers": layers} if layers else {})))
-    return LlamaForCausalLM(cfg)
+    return Llama(LlamaConfig(**shape))
 
 
 # ------------------------------------------------------------------ stages
@@ -103,16 +122,16 @@ def stage_env(dry: bool) -> dict:
     out["packages"] = {m: importlib.util.find_spec(m) is not None for m in (
         "transformers", "triton", "flash_attn", "vllm", "pydantic", "safetensors", "tokenizers", "numpy", "yaml")}
     device = _device(dry)
-    try:  # the smoke step: zeal imports and trains one step on the device
+    try:  # the smoke step: zeal imports and trains one step of its own Llama on the device
         import zeal
 
-        engine = zeal.initialize(_hf_llama(TOY).to(device), {"train_micro_batch_size_per_gpu": 2,
-                                                             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+        engine = zeal.initialize(_zeal_llama(TOY).to(device), {"train_micro_batch_size_per_gpu": 2,
+                                                                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
         x = torch.randint(0, TOY["vocab_size"], (2, 16), device=device)
-        loss = engine(input_ids=x, labels=x).loss
+        loss = engine(input_ids=x, labels=x)
         engine.backward(loss)
         engine.step()
-        out["smoke_step"] = {"ok": True, "loss": round(float(loss), 4), "device": str(engine.device)}
+        out["smoke_step"] = {"ok": True, "loss": round(float(loss.detach()), 4), "device": str(engine.device)}
     except Exception as e:  # noqa: BLE001 - reported
         out["smoke_step"] = {"ok": False, "error": _err(e)}
     return out
