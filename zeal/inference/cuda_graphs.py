@@ -218,6 +218,8 @@ def enable_for_engine(runner, model, max_num_seqs: int, max_seq_tokens: int, enf
         compile = False  # on CPU the compiled step keeps the fused kernels' attention (see compiled_decode)
         log.warning("compilation_config: a compiled decode step on CPU needs the fused CPU kernels and the "
                     "default attention; decoding eagerly")
+    if compile and cuda and runner.attn_backend is None:
+        compile = False  # ZEAL_ATTENTION_BACKEND=torch: the reference path, as chosen, eagerly
     if not compile and (runner.attn_backend is None or not cuda):
         return False
     runner.enable_decode_graphs(max_num_seqs, max_seq_tokens, compile=compile)
