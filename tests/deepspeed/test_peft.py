@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import free_port
+from tests.dist_harness import free_port, run_ranks
 
 pytest.importorskip("peft")
 pytestmark = pytest.mark.timeout(400)
@@ -29,6 +29,16 @@ def _result(cmd: list[str], cwd: Path, **extra: str) -> dict:
     return json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1].split(" ", 1)[1])
 
 
+def _reference(rank: int, world: int, out: str, ref_world: int) -> dict:
+    """The script's ``--reference`` (plain PyTorch, one process) in a process forked from the
+    harness's warm server: the reference needs no interpreter of its own."""
+    import runpy
+
+    os.environ["REF_WORLD"] = str(ref_world)
+    sys.argv = [str(SCRIPTS / "peft_ds.py"), "--out", out, "--reference"]
+    return runpy.run_path(sys.argv[0], run_name="peft_reference")["result"]
+
+
 def _initialize(tmp_path: Path, stage: int, ranks: int) -> dict:
     script = [str(SCRIPTS / "peft_ds.py"), "--out", str(tmp_path / "ckpt"), "--stage", str(stage)]
     if ranks == 1:
@@ -42,8 +52,7 @@ def _initialize(tmp_path: Path, stage: int, ranks: int) -> dict:
                                               pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_peft_model_through_initialize_trains_only_the_adapters(tmp_path, stage, ranks):
     got = _initialize(tmp_path, stage, ranks)
-    ref = _result([str(SCRIPTS / "peft_ds.py"), "--out", str(tmp_path), "--reference"], tmp_path,
-                  REF_WORLD=str(ranks))
+    ref = run_ranks(_reference, 1, str(tmp_path), ranks, timeout=120)[0]
     assert got["stage"] == stage and got["world"] == ranks
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert len(set(ref["losses"])) > 1  # the adapters move the loss (lora_B starts non-zero)
