@@ -251,8 +251,10 @@ def stage_train_speed(dry: bool) -> dict:
 
     peak, peak_src = peak_flops(device.type, device.index or 0)
     x = torch.randint(0, shape["vocab_size"], (micro, seq), device=device)
-    with torch.device("meta"):  # counted without initialising a second 1B model
-        n_params = sum(p.numel() for p in _hf_llama(shape).parameters())
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):  # counted without initialising a second 1B model (nor caching a meta one)
+        n_params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**shape)).parameters())
     flops_per_step = 6 * n_params * micro * seq  # + attention: 12·layers·hidden·seq² per sequence
     flops_per_step += 12 * shape["num_hidden_layers"] * shape["hidden_size"] * seq * seq * micro
     results = {}
