@@ -134,11 +134,33 @@ def _accumulate(acc: list[torch.Tensor | None], want: list[bool], grads: list[to
         if acc[i] is None:
             acc[i] = g.float() if g.dtype != torch.float32 else g.clone()
         else:
-            acc[i].add_(g)
+            add_into(acc[i], g)
+
+
+# Elements per slice when a 16-bit tensor is added into an fp32 one: ``fp32.add_(bf16)`` first
+# makes a whole fp32 copy of its operand (a vocabulary x hidden head: 94 MiB at 32000 x 768).
+ADD_SLICE_ELEMS = 1 << 20
+
+
+def add_into(acc: torch.Tensor, g: torch.Tensor) -> None:
+    """``acc += g`` in ``acc``'s dtype; a ``g`` of another dtype is converted one slice of
+    ``ADD_SLICE_ELEMS`` at a time (the same sums, without a full-size converted copy)."""
+    if g.dtype == acc.dtype or acc.numel() <= ADD_SLICE_ELEMS or not acc.is_contiguous():
+        acc.add_(g)
+        return
+    a, b = acc.view(-1), g.reshape(-1)
+    for start in range(0, a.numel(), ADD_SLICE_ELEMS):
+        a[start:start + ADD_SLICE_ELEMS].add_(b[start:start + ADD_SLICE_ELEMS])
 
 
 def _cast_back(acc: list[torch.Tensor | None], params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    return [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
+    """The parameters' gradients in their dtype; each fp32 sum is dropped once converted."""
+    out: list[torch.Tensor | None] = []
+    for i, p in enumerate(params):
+        a, acc[i] = acc[i], None
+        out.append(None if a is None else a.to(p.dtype))
+        del a
+    return out
 
 
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, num_shards: int,
@@ -213,13 +235,24 @@ def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.
     v = vocab or _out_features(project, rows)
     n = loss_shards(num_shards, rows.size(0), v)
 
+    def score(logits: torch.Tensor, yt: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits.float(), yt, ignore_index=ignore_index, reduction="sum")
+
     def tile_loss(xt: torch.Tensor, yt: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(project(xt).float(), yt, ignore_index=ignore_index, reduction="sum")
+        return score(project(xt), yt)
 
     if not torch.is_grad_enabled():
         total = sum(tile_loss(xt, yt) for xt, yt in zip(rows.tensor_split(n), ys.tensor_split(n)))
         return total, count
-    return _TiledLoss.apply(tile_loss, n, rows, ys, *_grad_params(params)), count
+    params = _grad_params(params)
+    linear = (project, score) if _plain_linear(project, params) else None
+    return _TiledLoss.apply(tile_loss, linear, n, rows, ys, *params), count
+
+
+def _plain_linear(project: Callable, params: Sequence[torch.Tensor]) -> bool:
+    """``project`` is a bias-free ``nn.Linear`` and its weight is the one parameter trained."""
+    return (isinstance(project, nn.Linear) and project.bias is None and len(params) == 1
+            and params[0] is project.weight)
 
 
 def _out_features(project: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> int:
@@ -235,12 +268,14 @@ def _swap(tile_loss: Callable, yt: torch.Tensor, xt: torch.Tensor) -> torch.Tens
 
 
 class _TiledLoss(torch.autograd.Function):
-    """Sum over row tiles of ``tile_loss(x_tile, y_tile)`` (a scalar each); see the module docstring."""
+    """Sum over row tiles of ``tile_loss(x_tile, y_tile)`` (a scalar each); see the module docstring.
+    ``linear``: ``(head, score)`` when the projection is a bias-free ``nn.Linear`` whose weight is
+    the only parameter (:func:`_linear_tile_backward`), else None."""
 
     @staticmethod
-    def forward(ctx, tile_loss: Callable, n: int, x: torch.Tensor, y: torch.Tensor,  # noqa: D102
-                *params: torch.Tensor) -> torch.Tensor:
-        ctx.tile_loss, ctx.n, ctx.params = tile_loss, n, params
+    def forward(ctx, tile_loss: Callable, linear: tuple[nn.Linear, Callable] | None, n: int,  # noqa: D102
+                x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.tile_loss, ctx.linear, ctx.n, ctx.params = tile_loss, linear, n, params
         ctx.save_for_backward(x, y)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for xt, yt in zip(x.tensor_split(n), y.tensor_split(n)):
@@ -252,10 +287,47 @@ class _TiledLoss(torch.autograd.Function):
         x, y = ctx.saved_tensors
         params = ctx.params
         want = [p.requires_grad for p in params]
-        gx = torch.empty_like(x) if ctx.needs_input_grad[2] else None
+        gx = torch.empty_like(x) if ctx.needs_input_grad[3] else None
         acc: list[torch.Tensor | None] = [None] * len(params)
         start = 0
         for xt, yt in zip(x.tensor_split(ctx.n), y.tensor_split(ctx.n)):
-            start = _tile_backward(functools.partial(_swap, ctx.tile_loss, yt), xt, grad, params, want, gx, acc,
-                                   start)
-        return (None, None, gx, None, *_cast_back(acc, params))
+            if ctx.linear is not None:
+                start = _linear_tile_backward(*ctx.linear, xt, yt, grad, gx, acc, start)
+            else:
+                start = _tile_backward(functools.partial(_swap, ctx.tile_loss, yt), xt, grad, params, want, gx,
+                                       acc, start)
+        return (None, None, None, gx, None, *_cast_back(acc, params))
+
+
+# Vocabulary rows of the head per slice of its gradient (times hidden: about ADD_SLICE_ELEMS elements).
+def _vocab_slice(hidden: int) -> int:
+    return max(1, ADD_SLICE_ELEMS // max(hidden, 1))
+
+
+def _linear_tile_backward(head: nn.Linear, score: Callable, xt: torch.Tensor, yt: torch.Tensor, grad: torch.Tensor,
+                          gx: torch.Tensor | None, acc: list[torch.Tensor | None], start: int) -> int:
+    """One tile of a bias-free linear head: autograd gives the logits' and the input's gradients
+    (not the weight's); the weight's, ``dlogitsᵀ · x``, is added into the fp32 sum one slice of
+    vocabulary rows at a time, so no full-size gradient of the tile is ever made (autograd's
+    would be a second vocabulary x hidden tensor beside the sum). Same products as autograd's."""
+    xt = xt.detach().requires_grad_(gx is not None)
+    with torch.enable_grad():
+        logits = head(xt)
+        loss = score(logits, yt)
+    inputs = [logits, xt] if gx is not None else [logits]
+    grads = torch.autograd.grad(loss, inputs, grad)
+    dlogits = grads[0]
+    if gx is not None:
+        gx[start:start + xt.size(0)] = grads[1]
+    w = head.weight
+    if acc[0] is None:
+        acc[0] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    xd = xt.detach()
+    step = _vocab_slice(xd.size(-1))
+    for v in range(0, w.size(0), step):
+        part = dlogits[:, v:v + step].t()
+        if acc[0].dtype == part.dtype:
+            acc[0][v:v + step].addmm_(part, xd)
+        else:
+            acc[0][v:v + step].add_(part @ xd)
+    return start + xt.size(0)

@@ -1,0 +1,116 @@
+"""The tiled loss's and TiledMLP's parameter gradients: same values, no full-size temporaries.
+
+Reference: plain autograd on the untiled head (fp32, 1e-6 as in test_tiled.py) and the
+generic tile path (the head hidden behind a lambda, so the bias-free ``nn.Linear`` path is
+not taken). Memory: every CPU allocation of the backward, replayed from ``torch.profiler``.
+Before the fix, a bf16 head's backward held the fp32 sum, a whole fp32 copy of each tile's
+gradient (``fp32.add_(bf16)`` converts its operand first) and the tile's bf16 gradient:
+at least 10 bytes per head element; now the sum and the final bf16 gradient, 6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zeal.models.tiled import ADD_SLICE_ELEMS, add_into, tiled_logits_loss, tiled_rows
+
+TOL = 1e-6
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> None:
+    assert torch.allclose(a, b, rtol=tol, atol=tol), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("shards", [1, 3, 7])
+def test_bias_free_head_equals_cross_entropy(shards):
+    torch.manual_seed(1)
+    head = nn.Linear(16, 50, bias=False)
+    h = torch.randn(20, 16, requires_grad=True)
+    y = torch.randint(0, 50, (20,))
+    y[[0, 7, 8, 19]] = -100
+    ref = F.cross_entropy(head(h), y, ignore_index=-100, reduction="sum")
+    ref.backward()
+    ref_grads = [head.weight.grad.clone(), h.grad.clone()]
+    head.zero_grad()
+    h.grad = None
+    total, count = tiled_logits_loss(head, h, y, shards, params=[head.weight])
+    (total / count).backward()
+    _close(total, ref)
+    for g, r in zip([head.weight.grad, h.grad], ref_grads):
+        _close(g, r / 16)
+
+
+def test_bias_free_bf16_head_equals_generic_tiles():
+    """The sliced weight gradient is the generic path's (the same bf16 products, summed in fp32)."""
+    torch.manual_seed(2)
+    head = nn.Linear(64, 3000, bias=False).to(torch.bfloat16)
+    h0 = torch.randn(96, 64).to(torch.bfloat16)
+    y = torch.randint(0, 3000, (96,))
+    grads = []
+    for project in (head, lambda x: head(x)):
+        h = h0.clone().requires_grad_(True)
+        head.zero_grad()
+        total, _ = tiled_logits_loss(project, h, y, 5, params=[head.weight], vocab=3000)
+        total.backward()
+        grads.append((total.detach(), head.weight.grad.float(), h.grad.float()))
+    (t0, w0, x0), (t1, w1, x1) = grads
+    assert torch.equal(t0, t1) and torch.equal(x0, x1)
+    _close(w0, w1, tol=1e-2 * w1.abs().max().item())  # bf16 products: one bf16 rounding apart at most
+
+
+def test_add_into_slices_equal_one_add():
+    torch.manual_seed(3)
+    acc = torch.randn(ADD_SLICE_ELEMS * 2 + 17)
+    g = torch.randn(acc.numel()).to(torch.bfloat16)
+    ref = acc + g.float()
+    add_into(acc, g)
+    assert torch.equal(acc, ref)
+
+
+def _peak_bytes(fn) -> int:
+    """The peak of bytes allocated above the start while ``fn`` runs (CPU, from the profiler)."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+        todo.extend(node.children)
+    level = peak = 0
+    for _, size in sorted(events):
+        level += size
+        peak = max(peak, level)
+    return peak
+
+
+def test_bf16_head_backward_holds_no_full_size_temporaries():
+    torch.manual_seed(4)
+    vocab, hidden = 16384, 128  # 2M head elements: above ADD_SLICE_ELEMS
+    head = nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
+    h = torch.randn(64, hidden).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, vocab, (64,))
+    total, _ = tiled_logits_loss(head, h, y, 4, params=[head.weight], vocab=vocab)
+    peak = _peak_bytes(total.backward)
+    elems = vocab * hidden
+    # fp32 sum (4) + the bf16 gradient it becomes (2), plus one tile's logits: measured 7.5 (10.0 before)
+    assert peak < 8 * elems, f"{peak / elems:.2f} bytes per head element"
+
+
+def test_tiled_mlp_backward_adds_bf16_tiles_in_slices():
+    torch.manual_seed(5)
+    mlp = nn.Sequential(nn.Linear(256, 8192, bias=False), nn.ReLU(), nn.Linear(8192, 256, bias=False))
+    mlp = mlp.to(torch.bfloat16)
+    x = torch.randn(64, 256).to(torch.bfloat16).requires_grad_(True)
+    out = tiled_rows(mlp, x, 4, list(mlp.parameters()))
+    peak = _peak_bytes(lambda: out.float().sum().backward())
+    elems = sum(p.numel() for p in mlp.parameters())
+    # measured 7.0 bytes per element (fp32 sums, a tile's bf16 gradients, the tile's activations); the
+    # old whole-size fp32 copy of one weight's tile gradient made it 8.0
+    assert peak < 7.5 * elems, f"{peak / elems:.2f} bytes per parameter element"
