@@ -43,22 +43,28 @@ def test_bias_free_head_equals_cross_entropy(shards):
         _close(g, r / 16)
 
 
-def test_bias_free_bf16_head_equals_generic_tiles():
-    """The sliced weight gradient is the generic path's (the same bf16 products, summed in fp32)."""
+def test_bias_free_bf16_head_as_close_as_generic_tiles():
+    """bf16: the sliced path (softmax in place, weight gradient by slices) is as close to a float64
+    reference as the generic tile path (autograd per tile); both are one bf16 rounding from it."""
     torch.manual_seed(2)
     head = nn.Linear(64, 3000, bias=False).to(torch.bfloat16)
     h0 = torch.randn(96, 64).to(torch.bfloat16)
     y = torch.randint(0, 3000, (96,))
-    grads = []
-    for project in (head, lambda x: head(x)):
+    y[:9] = -100
+    w64 = head.weight.detach().double().requires_grad_(True)
+    h64 = h0.double().requires_grad_(True)
+    F.cross_entropy(h64 @ w64.t(), y, reduction="sum").backward()
+    errs = []
+    for project in (head, lambda x: head(x)):  # the lambda takes the generic path
         h = h0.clone().requires_grad_(True)
         head.zero_grad()
         total, _ = tiled_logits_loss(project, h, y, 5, params=[head.weight], vocab=3000)
         total.backward()
-        grads.append((total.detach(), head.weight.grad.float(), h.grad.float()))
-    (t0, w0, x0), (t1, w1, x1) = grads
-    assert torch.equal(t0, t1) and torch.equal(x0, x1)
-    _close(w0, w1, tol=1e-2 * w1.abs().max().item())  # bf16 products: one bf16 rounding apart at most
+        errs.append([((g.double() - r).abs().max() / r.abs().max()).item()
+                     for g, r in ((head.weight.grad, w64.grad), (h.grad, h64.grad))])
+    (fast_w, fast_x), (gen_w, gen_x) = errs
+    assert fast_w <= 1.25 * gen_w + 1e-3 and fast_x <= 1.25 * gen_x + 1e-3, errs
+    assert max(fast_w, fast_x) < 8e-3, errs  # within bf16 rounding (2^-8 relative)
 
 
 def test_add_into_slices_equal_one_add():
@@ -114,3 +120,20 @@ def test_tiled_mlp_backward_adds_bf16_tiles_in_slices():
     # measured 7.0 bytes per element (fp32 sums, a tile's bf16 gradients, the tile's activations); the
     # old whole-size fp32 copy of one weight's tile gradient made it 8.0
     assert peak < 7.5 * elems, f"{peak / elems:.2f} bytes per parameter element"
+
+
+def test_bf16_head_tile_backward_holds_one_fp32_tile_of_logits():
+    """A long tile and a small head: the tile's logits dominate. Autograd's backward of the
+    cross-entropy holds the log-softmax, its incoming and its outgoing gradient (three fp32
+    tiles); the in-place softmax holds one (plus the bf16 logits and their gradient)."""
+    torch.manual_seed(6)
+    vocab, hidden, rows = 16384, 16, 256
+    head = nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
+    h = torch.randn(rows, hidden).to(torch.bfloat16).requires_grad_(True)
+    y = torch.randint(0, vocab, (rows,))
+    peaks = []
+    for project in (head, lambda x: head(x)):  # the lambda takes the generic path (autograd per tile)
+        total, _ = tiled_logits_loss(project, h, y, 1, params=[head.weight], vocab=vocab)
+        peaks.append(_peak_bytes(total.backward) / (rows * vocab * 4))
+    fast, generic = peaks
+    assert fast < 2.5 < generic, peaks

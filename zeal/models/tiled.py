@@ -245,8 +245,8 @@ def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.
         total = sum(tile_loss(xt, yt) for xt, yt in zip(rows.tensor_split(n), ys.tensor_split(n)))
         return total, count
     params = _grad_params(params)
-    linear = (project, score) if _plain_linear(project, params) else None
-    return _TiledLoss.apply(tile_loss, linear, n, rows, ys, *params), count
+    plain = cross_entropy is F.cross_entropy and _plain_linear(project, params)
+    return _TiledLoss.apply(tile_loss, (project, ignore_index) if plain else None, n, rows, ys, *params), count
 
 
 def _plain_linear(project: Callable, params: Sequence[torch.Tensor]) -> bool:
@@ -269,11 +269,11 @@ def _swap(tile_loss: Callable, yt: torch.Tensor, xt: torch.Tensor) -> torch.Tens
 
 class _TiledLoss(torch.autograd.Function):
     """Sum over row tiles of ``tile_loss(x_tile, y_tile)`` (a scalar each); see the module docstring.
-    ``linear``: ``(head, score)`` when the projection is a bias-free ``nn.Linear`` whose weight is
-    the only parameter (:func:`_linear_tile_backward`), else None."""
+    ``linear``: ``(head, ignore_index)`` when the loss is ``F.cross_entropy`` of a bias-free
+    ``nn.Linear`` whose weight is the only parameter (:func:`_linear_tile_backward`), else None."""
 
     @staticmethod
-    def forward(ctx, tile_loss: Callable, linear: tuple[nn.Linear, Callable] | None, n: int,  # noqa: D102
+    def forward(ctx, tile_loss: Callable, linear: tuple[nn.Linear, int] | None, n: int,  # noqa: D102
                 x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.tile_loss, ctx.linear, ctx.n, ctx.params = tile_loss, linear, n, params
         ctx.save_for_backward(x, y)
@@ -304,21 +304,22 @@ def _vocab_slice(hidden: int) -> int:
     return max(1, ADD_SLICE_ELEMS // max(hidden, 1))
 
 
-def _linear_tile_backward(head: nn.Linear, score: Callable, xt: torch.Tensor, yt: torch.Tensor, grad: torch.Tensor,
-                          gx: torch.Tensor | None, acc: list[torch.Tensor | None], start: int) -> int:
-    """One tile of a bias-free linear head: autograd gives the logits' and the input's gradients
-    (not the weight's); the weight's, ``dlogitsᵀ · x``, is added into the fp32 sum one slice of
-    vocabulary rows at a time, so no full-size gradient of the tile is ever made (autograd's
-    would be a second vocabulary x hidden tensor beside the sum). Same products as autograd's."""
+def _linear_tile_backward(head: nn.Linear, ignore_index: int, xt: torch.Tensor, yt: torch.Tensor,
+                          grad: torch.Tensor, gx: torch.Tensor | None, acc: list[torch.Tensor | None],
+                          start: int) -> int:
+    """One tile of ``F.cross_entropy(head(x).float(), y, reduction="sum")`` for a bias-free linear
+    head. The logits' gradient is formed in place (:func:`_cross_entropy_grad`), autograd takes it
+    back through the head to the input only, and the weight's gradient ``dlogitsᵀ · x`` is added
+    into the fp32 sum one slice of vocabulary rows at a time. What autograd would hold at once:
+    the log-softmax, its incoming and outgoing gradients (three fp32 tiles of logits) and a
+    full-size gradient of the weight; here one fp32 tile of logits and slices."""
     xt = xt.detach().requires_grad_(gx is not None)
-    with torch.enable_grad():
-        logits = head(xt)
-        loss = score(logits, yt)
-    inputs = [logits, xt] if gx is not None else [logits]
-    grads = torch.autograd.grad(loss, inputs, grad)
-    dlogits = grads[0]
+    with torch.set_grad_enabled(gx is not None):
+        logits = head(xt)  # (a ZeRO-3 head is gathered for this call and again for the input's gradient)
+    dlogits = _cross_entropy_grad(logits.detach(), yt, grad, ignore_index)
     if gx is not None:
-        gx[start:start + xt.size(0)] = grads[1]
+        (gx[start:start + xt.size(0)],) = torch.autograd.grad(logits, [xt], dlogits)
+    del logits
     w = head.weight
     if acc[0] is None:
         acc[0] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
@@ -331,3 +332,19 @@ def _linear_tile_backward(head: nn.Linear, score: Callable, xt: torch.Tensor, yt
         else:
             acc[0][v:v + step].add_(part @ xd)
     return start + xt.size(0)
+
+
+def _cross_entropy_grad(logits: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``grad ·`` the gradient of ``F.cross_entropy(logits.float(), y, reduction="sum")`` with
+    respect to ``logits``, in their dtype: ``grad · (softmax − onehot(y))`` on the counted rows,
+    0 on ignored ones. One fp32 copy of the logits, turned into the softmax a few rows at a time."""
+    p = logits.float()
+    rows = max(1, ADD_SLICE_ELEMS // max(p.size(-1), 1))
+    for r in range(0, p.size(0), rows):
+        p[r:r + rows] = torch.softmax(p[r:r + rows], dim=-1)
+    p.mul_(grad)
+    counted = y != ignore_index
+    idx = counted.nonzero().squeeze(1)
+    p[idx, y[idx]] -= grad
+    p.mul_(counted.unsqueeze(1))
+    return p.to(logits.dtype)
