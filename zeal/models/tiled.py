@@ -35,7 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeal.models import tiled_head as th
+
 NumShards = int | Literal["auto"]
+Hold = Callable[[Sequence[torch.Tensor]], contextlib.AbstractContextManager]
 
 # Elements of one tile's logits under num_shards "auto" for the loss (32 MiB in fp32), as
 # zeal's checkpointed chunked loss (zeal.models.checkpointing.LOSS_CHUNK_ELEMS) uses.
@@ -216,7 +219,7 @@ class TiledMLP(nn.Module):
 def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
                       num_shards: NumShards = "auto", *, params: Sequence[torch.Tensor] = (),
                       cross_entropy: Callable[..., torch.Tensor] = F.cross_entropy, ignore_index: int = -100,
-                      vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      vocab: int | None = None, hold: Hold | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, count)``: the summed fp32 cross-entropy of ``project(h)`` against
     ``targets`` and the number of targets that are not ``ignore_index``.
 
@@ -226,7 +229,9 @@ def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.
     one); ``params``: the parameters ``project`` reads. The logits exist one tile at a
     time, in forward and in backward. The mean is ``loss_sum / count.clamp(min=1)``;
     under sequence parallelism sum both over the sp group first (exact normalisation by
-    the global token count). ``count`` carries no gradient."""
+    the global token count). ``count`` carries no gradient. ``hold(params)``: a context
+    under which ``params`` stay readable (ZeRO-3 gathers them once for the tile loop, in
+    forward and in backward, instead of around every tile's call of ``project``)."""
     rows = h.reshape(-1, h.size(-1))
     ys = targets.reshape(-1)
     if ys.size(0) != rows.size(0):
@@ -246,7 +251,8 @@ def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.
         return total, count
     params = _grad_params(params)
     plain = cross_entropy is F.cross_entropy and _plain_linear(project, params)
-    return _TiledLoss.apply(tile_loss, (project, ignore_index) if plain else None, n, rows, ys, *params), count
+    linear = (project, ignore_index) if plain else None
+    return _TiledLoss.apply(tile_loss, linear, hold, n, rows, ys, *params), count
 
 
 def _plain_linear(project: Callable, params: Sequence[torch.Tensor]) -> bool:
@@ -270,81 +276,45 @@ def _swap(tile_loss: Callable, yt: torch.Tensor, xt: torch.Tensor) -> torch.Tens
 class _TiledLoss(torch.autograd.Function):
     """Sum over row tiles of ``tile_loss(x_tile, y_tile)`` (a scalar each); see the module docstring.
     ``linear``: ``(head, ignore_index)`` when the loss is ``F.cross_entropy`` of a bias-free
-    ``nn.Linear`` whose weight is the only parameter (:func:`_linear_tile_backward`), else None."""
+    ``nn.Linear`` whose weight is the only parameter (:mod:`zeal.models.tiled_head`), else None."""
 
     @staticmethod
-    def forward(ctx, tile_loss: Callable, linear: tuple[nn.Linear, int] | None, n: int,  # noqa: D102
-                x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
-        ctx.tile_loss, ctx.linear, ctx.n, ctx.params = tile_loss, linear, n, params
-        ctx.save_for_backward(x, y)
+    def forward(ctx, tile_loss: Callable, linear: tuple[nn.Linear, int] | None, hold: Hold | None,  # noqa: D102
+                n: int, x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.tile_loss, ctx.linear, ctx.hold, ctx.n, ctx.params = tile_loss, linear, hold, n, params
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        for xt, yt in zip(x.tensor_split(n), y.tensor_split(n)):
-            total += tile_loss(xt, yt)
+        lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device) if linear is not None else None
+        with _held(hold, params):
+            for i, (xt, yt) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
+                if linear is None:
+                    total += tile_loss(xt, yt)
+                else:
+                    total += th.forward_tile(linear[0], xt, yt, linear[1], lse.tensor_split(n)[i])
+        ctx.save_for_backward(x, y, lse)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        x, y = ctx.saved_tensors
+        x, y, lse = ctx.saved_tensors
         params = ctx.params
         want = [p.requires_grad for p in params]
-        gx = torch.empty_like(x) if ctx.needs_input_grad[3] else None
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        start = 0
-        for xt, yt in zip(x.tensor_split(ctx.n), y.tensor_split(ctx.n)):
-            if ctx.linear is not None:
-                start = _linear_tile_backward(*ctx.linear, xt, yt, grad, gx, acc, start)
-            else:
-                start = _tile_backward(functools.partial(_swap, ctx.tile_loss, yt), xt, grad, params, want, gx,
-                                       acc, start)
-        return (None, None, None, gx, None, *_cast_back(acc, params))
+        need_x = ctx.needs_input_grad[4]
+        with _held(ctx.hold, params):
+            if ctx.linear is not None and th.readable(ctx.linear[0].weight):
+                gx, gw = th.backward_by_slices(ctx.linear[0].weight, x, y, lse, ctx.n, grad, ctx.linear[1],
+                                               need_x, want[0])
+                return (None, None, None, None, gx, None, gw)
+            gx = torch.empty_like(x) if need_x else None
+            acc: list[torch.Tensor | None] = [None] * len(params)
+            start = 0
+            for xt, yt in zip(x.tensor_split(ctx.n), y.tensor_split(ctx.n)):
+                if ctx.linear is not None:
+                    start = th.tile_backward(*ctx.linear, xt, yt, grad, gx, acc, start)
+                else:
+                    start = _tile_backward(functools.partial(_swap, ctx.tile_loss, yt), xt, grad, params, want, gx,
+                                           acc, start)
+        return (None, None, None, None, gx, None, *_cast_back(acc, params))
 
 
-# Vocabulary rows of the head per slice of its gradient (times hidden: about ADD_SLICE_ELEMS elements).
-def _vocab_slice(hidden: int) -> int:
-    return max(1, ADD_SLICE_ELEMS // max(hidden, 1))
-
-
-def _linear_tile_backward(head: nn.Linear, ignore_index: int, xt: torch.Tensor, yt: torch.Tensor,
-                          grad: torch.Tensor, gx: torch.Tensor | None, acc: list[torch.Tensor | None],
-                          start: int) -> int:
-    """One tile of ``F.cross_entropy(head(x).float(), y, reduction="sum")`` for a bias-free linear
-    head. The logits' gradient is formed in place (:func:`_cross_entropy_grad`), autograd takes it
-    back through the head to the input only, and the weight's gradient ``dlogitsᵀ · x`` is added
-    into the fp32 sum one slice of vocabulary rows at a time. What autograd would hold at once:
-    the log-softmax, its incoming and outgoing gradients (three fp32 tiles of logits) and a
-    full-size gradient of the weight; here one fp32 tile of logits and slices."""
-    xt = xt.detach().requires_grad_(gx is not None)
-    with torch.set_grad_enabled(gx is not None):
-        logits = head(xt)  # (a ZeRO-3 head is gathered for this call and again for the input's gradient)
-    dlogits = _cross_entropy_grad(logits.detach(), yt, grad, ignore_index)
-    if gx is not None:
-        (gx[start:start + xt.size(0)],) = torch.autograd.grad(logits, [xt], dlogits)
-    del logits
-    w = head.weight
-    if acc[0] is None:
-        acc[0] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-    xd = xt.detach()
-    step = _vocab_slice(xd.size(-1))
-    for v in range(0, w.size(0), step):
-        part = dlogits[:, v:v + step].t()
-        if acc[0].dtype == part.dtype:
-            acc[0][v:v + step].addmm_(part, xd)
-        else:
-            acc[0][v:v + step].add_(part @ xd)
-    return start + xt.size(0)
-
-
-def _cross_entropy_grad(logits: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``grad ·`` the gradient of ``F.cross_entropy(logits.float(), y, reduction="sum")`` with
-    respect to ``logits``, in their dtype: ``grad · (softmax − onehot(y))`` on the counted rows,
-    0 on ignored ones. One fp32 copy of the logits, turned into the softmax a few rows at a time."""
-    p = logits.float()
-    rows = max(1, ADD_SLICE_ELEMS // max(p.size(-1), 1))
-    for r in range(0, p.size(0), rows):
-        p[r:r + rows] = torch.softmax(p[r:r + rows], dim=-1)
-    p.mul_(grad)
-    counted = y != ignore_index
-    idx = counted.nonzero().squeeze(1)
-    p[idx, y[idx]] -= grad
-    p.mul_(counted.unsqueeze(1))
-    return p.to(logits.dtype)
+def _held(hold: Hold | None, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if hold is None or not params else hold(params)
