@@ -124,6 +124,21 @@ def label_phases(model, phase: list[str]) -> None:
         mod.register_forward_hook(post)
 
 
+def mallinfo() -> dict:
+    """glibc's ``mallinfo2`` (MiB): ``arena`` bytes of the heaps (main and per-thread), ``in_use`` of
+    them, ``free`` in them (held, not returned), ``mmapped`` blocks (torch's large tensors)."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _Info
+    i = libc.mallinfo2()
+    return {"arena": i.arena / MIB, "in_use": i.uordblks / MIB, "free": i.fordblks / MIB, "mmapped": i.hblkhd / MIB}
+
+
 def phase_peaks(samples: list[tuple[int, int, str]], base: int, top: int = 12) -> list[tuple[str, float]]:
     peaks: dict[str, int] = {}
     for _, rss, ph in samples:
@@ -175,6 +190,7 @@ def main() -> int:
     base = ml._rss()
     ml._reset_hwm()
     if args.phases:
+        heap0 = mallinfo()
         phase = ["start"]
         label_phases(engine.module, phase)
         rows: list[tuple[int, int, str]] = []
@@ -192,6 +208,7 @@ def main() -> int:
         stop.set()
         th.join()
         report = {"rank": int(os.environ.get("RANK", 0)), "sp": args.sp, "seq": args.seq, "phases": True,
+                  "malloc_before": heap0, "malloc_after_backward": mallinfo(),
                   "rss_peak_mib": (ml._hwm() - base) / MIB, "by_phase": phase_peaks(rows, base, args.top),
                   "first_within_1mib_of_peak": next(ph for _, r, ph in rows if r >= max(q for _, q, _ in rows) - MIB)}
         print(json.dumps(report), flush=True)

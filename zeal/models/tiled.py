@@ -300,7 +300,7 @@ class _TiledLoss(torch.autograd.Function):
         want = [p.requires_grad for p in params]
         need_x = ctx.needs_input_grad[4]
         with _held(ctx.hold, params):
-            if ctx.linear is not None and th.readable(ctx.linear[0].weight):
+            if ctx.linear is not None and th.by_slices(ctx.linear[0].weight, x):
                 gx, gw = th.backward_by_slices(ctx.linear[0].weight, x, y, lse, ctx.n, grad, ctx.linear[1],
                                                need_x, want[0])
                 return (None, None, None, None, gx, None, gw)

@@ -6,14 +6,14 @@ their fp32 copy, ``F.cross_entropy``), and also keeps each row's log-sum-exp (4 
 backward then needs no whole-size sum of the weight's gradient over the tiles:
 
 * :func:`backward_by_slices` (the weight readable: not ZeRO-3, or ZeRO-3 holding it for the
-  call): the vocabulary is the outer loop. For each slice of vocabulary rows (about 2²⁰
+  call; and no more rows than the vocabulary has, :func:`by_slices`): the vocabulary is the outer loop. For each slice of vocabulary rows (about 2²⁰
   weight elements) and each row tile, the block of logits is recomputed, turned into its
   gradient ``grad · (exp(z − lse) − onehot)`` in place, and both products are taken at once:
   the slice's weight gradient (summed over the tiles in fp32, a slice at a time, then written
   into the weight-sized result) and the input's (summed over the slices in fp32, one value per
   input element). Held beside the weight: its gradient in the weight's dtype, the input's in
   fp32, one slice and one block. The same logits are computed once, as in the per-tile order.
-* :func:`tile_backward` (the weight released between module calls, ZeRO-3 without a holder):
+* :func:`tile_backward` (otherwise: more rows than vocabulary, or ZeRO-3 without a holder):
   tile by tile through the head module (its hooks gather the weight), with an fp32 sum of the
   weight's gradient added one slice at a time, and the logits' gradient formed in place.
 """
@@ -33,9 +33,12 @@ def vocab_slice(hidden: int) -> int:
     return max(1, SLICE_ELEMS // max(hidden, 1))
 
 
-def readable(w: torch.Tensor) -> bool:
-    """The weight has its storage (a released ZeRO-3 unit's views have none)."""
-    return w.numel() == 0 or w.untyped_storage().nbytes() > 0
+def by_slices(w: torch.Tensor, x: torch.Tensor) -> bool:
+    """Take :func:`backward_by_slices`: the weight has its storage (a released ZeRO-3 unit's
+    views have none) and there are no more rows than vocabulary rows. The slices hold an fp32
+    sum of the input's gradient (4 bytes a row and hidden value), the tiles an fp32 sum of the
+    weight's (4 bytes a vocabulary row and hidden value): the smaller one wins."""
+    return (w.numel() == 0 or w.untyped_storage().nbytes() > 0) and x.size(0) <= w.size(0)
 
 
 def forward_tile(head: nn.Linear, xt: torch.Tensor, yt: torch.Tensor, ignore_index: int,
