@@ -136,7 +136,10 @@ def mallinfo() -> dict:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _Info
     i = libc.mallinfo2()
-    return {"arena": i.arena / MIB, "in_use": i.uordblks / MIB, "free": i.fordblks / MIB, "mmapped": i.hblkhd / MIB}
+    with open("/proc/self/status") as f:  # resident anonymous and file-backed (code, mapped files) pages
+        rss = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssFile")}
+    return {"arena": i.arena / MIB, "in_use": i.uordblks / MIB, "free": i.fordblks / MIB, "mmapped": i.hblkhd / MIB,
+            **rss}
 
 
 def phase_peaks(samples: list[tuple[int, int, str]], base: int, top: int = 12) -> list[tuple[str, float]]:
