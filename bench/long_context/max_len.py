@@ -91,7 +91,7 @@ def trial(args: argparse.Namespace) -> int:
     # Freed blocks of 1 MiB and more go back to the OS at once (what zeal does for stage 3):
     # otherwise glibc keeps freed activations as heap holes and RSS measures fragmentation
     # (tiled at 4096 tokens: 2.62 GiB peak with glibc's defaults, 2.19 GiB with this), for both modes.
-    set_malloc_thresholds(1 << 20)
+    set_malloc_thresholds(args.mmap_threshold)
     from zeal.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
@@ -134,7 +134,8 @@ def _run_trial(args: argparse.Namespace, mode: str, seq: int) -> dict:
     argv = [__file__, "--trial", "--mode", mode, "--seq", str(seq), "--budget", str(args.budget_bytes),
             "--sp", str(args.sp), "--layers", str(args.layers), "--hidden", str(args.hidden),
             "--intermediate", str(args.intermediate), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-            "--vocab", str(args.vocab), "--measure", args.measure, "--warmup", str(args.warmup)]
+            "--vocab", str(args.vocab), "--measure", args.measure, "--warmup", str(args.warmup),
+            "--mmap-threshold", str(getattr(args, "mmap_threshold", 1 << 20))]
     if args.zero is not None:
         argv += ["--zero", str(args.zero)]
     if args.sp > 1:
@@ -217,6 +218,8 @@ def main() -> int:
                    help="peak: the budget bounds the process's peak RSS; step: the peak RSS of one measured forward + "
                    "backward above the RSS before it (after a --warmup step made the optimizer states)")
     p.add_argument("--warmup", type=int, default=128, help="tokens of the warm-up step of --measure step")
+    p.add_argument("--mmap-threshold", type=int, default=1 << 20, help="glibc's mmap and trim thresholds in the "
+                   "trials (bytes; default 1 MiB): blocks from this size on are mapped and returned at free")
     p.add_argument("--lengths", help="comma-separated: run one trial at each (no search) and report it")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)

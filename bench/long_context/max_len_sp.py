@@ -86,6 +86,8 @@ def main() -> int:
     p.add_argument("--untiled", action=argparse.BooleanOptionalAction, default=True, help="the SP 1 untiled row")
     p.add_argument("--row-seconds", type=float, default=150.0, help="time per row (default 150)")
     p.add_argument("--trial-timeout", type=float, default=120.0)
+    p.add_argument("--mmap-threshold", type=int, default=1 << 20, help="glibc's mmap/trim thresholds in the trials "
+                   "(bytes, default 1 MiB); lower: fewer small tensors from the C heap, whose slack varies by rank")
     p.add_argument("--json")
     args = p.parse_args()
     defaults = dict(layers=8, hidden=768, intermediate=2048, heads=12, kv_heads=4, vocab=32000, zero=3,

@@ -72,7 +72,8 @@ class CheckpointPolicy:
     parallelism: this rank's slice of the logits and the cross-entropy over the slices,
     :mod:`zeal.parallel.vocab`); ``loss_shards``: the loss is
     :func:`zeal.models.tiled.tiled_logits_loss` over that many tiles (or ``"auto"``), set by
-    the ``tiling`` section (:mod:`zeal.train.tiling`)."""
+    the ``tiling`` section (:mod:`zeal.train.tiling`); ``hold_params``: ZeRO-3's context that
+    keeps the head gathered over the tiled loss's tile loop (``tiled_logits_loss``'s ``hold``)."""
 
     enabled: bool = False
     every: int = 1
@@ -83,6 +84,7 @@ class CheckpointPolicy:
     counter: RecomputeCounter = field(default_factory=RecomputeCounter, compare=False)
     recompute: tuple[Callable[[Callable], Callable], ...] = ()
     logits_loss: tuple[Callable, Callable] | None = field(default=None, compare=False)
+    hold_params: Callable | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -138,7 +140,7 @@ def causal_lm_loss(head: nn.Module, h: torch.Tensor, labels: torch.Tensor, polic
 
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # next-token targets; the last position scores none
         total, count = tiled_logits_loss(project, h, targets, policy.loss_shards, params=list(head.parameters()),
-                                         cross_entropy=ce, vocab=_out_features(head, h))
+                                         cross_entropy=ce, vocab=_out_features(head, h), hold=policy.hold_params)
         return total / count.clamp(min=1)
     if not (policy.enabled and torch.is_grad_enabled() and head.training):
         logits = project(h)

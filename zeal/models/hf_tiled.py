@@ -71,6 +71,7 @@ class HFTiledLoss:
 
     def __init__(self, model: nn.Module, base: nn.Module, head: nn.Module, num_shards: NumShards) -> None:
         self.model, self.base, self.head, self.num_shards = model, base, head, num_shards
+        self.hold_params = None  # ZeRO-3's holding context (zeal.train.tiling.attach_to_zero)
         self._signature = inspect.signature(model.forward)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -90,7 +91,8 @@ class HFTiledLoss:
         out = self.base(**a)
         y = shift if shift is not None else shift_targets(labels)
         total, count = tiled_logits_loss(self.head, out.last_hidden_state, y, self.num_shards,
-                                         params=head_params(self.head), ignore_index=IGNORE)
+                                         params=head_params(self.head), ignore_index=IGNORE,
+                                         hold=self.hold_params)
         denom = items if items is not None else count.clamp(min=1)
         loss = total / (denom.to(total.device) if isinstance(denom, torch.Tensor) else denom)
         return _output(loss, out)

@@ -35,7 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zeal.models import tiled_head as th
+
 NumShards = int | Literal["auto"]
+Hold = Callable[[Sequence[torch.Tensor]], contextlib.AbstractContextManager]
 
 # Elements of one tile's logits under num_shards "auto" for the loss (32 MiB in fp32), as
 # zeal's checkpointed chunked loss (zeal.models.checkpointing.LOSS_CHUNK_ELEMS) uses.
@@ -134,11 +137,33 @@ def _accumulate(acc: list[torch.Tensor | None], want: list[bool], grads: list[to
         if acc[i] is None:
             acc[i] = g.float() if g.dtype != torch.float32 else g.clone()
         else:
-            acc[i].add_(g)
+            add_into(acc[i], g)
+
+
+# Elements per slice when a 16-bit tensor is added into an fp32 one: ``fp32.add_(bf16)`` first
+# makes a whole fp32 copy of its operand (a vocabulary x hidden head: 94 MiB at 32000 x 768).
+ADD_SLICE_ELEMS = 1 << 20
+
+
+def add_into(acc: torch.Tensor, g: torch.Tensor) -> None:
+    """``acc += g`` in ``acc``'s dtype; a ``g`` of another dtype is converted one slice of
+    ``ADD_SLICE_ELEMS`` at a time (the same sums, without a full-size converted copy)."""
+    if g.dtype == acc.dtype or acc.numel() <= ADD_SLICE_ELEMS or not acc.is_contiguous():
+        acc.add_(g)
+        return
+    a, b = acc.view(-1), g.reshape(-1)
+    for start in range(0, a.numel(), ADD_SLICE_ELEMS):
+        a[start:start + ADD_SLICE_ELEMS].add_(b[start:start + ADD_SLICE_ELEMS])
 
 
 def _cast_back(acc: list[torch.Tensor | None], params: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-    return [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
+    """The parameters' gradients in their dtype; each fp32 sum is dropped once converted."""
+    out: list[torch.Tensor | None] = []
+    for i, p in enumerate(params):
+        a, acc[i] = acc[i], None
+        out.append(None if a is None else a.to(p.dtype))
+        del a
+    return out
 
 
 def tiled_rows(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, num_shards: int,
@@ -194,7 +219,7 @@ class TiledMLP(nn.Module):
 def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, targets: torch.Tensor,
                       num_shards: NumShards = "auto", *, params: Sequence[torch.Tensor] = (),
                       cross_entropy: Callable[..., torch.Tensor] = F.cross_entropy, ignore_index: int = -100,
-                      vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      vocab: int | None = None, hold: Hold | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss_sum, count)``: the summed fp32 cross-entropy of ``project(h)`` against
     ``targets`` and the number of targets that are not ``ignore_index``.
 
@@ -204,7 +229,9 @@ def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.
     one); ``params``: the parameters ``project`` reads. The logits exist one tile at a
     time, in forward and in backward. The mean is ``loss_sum / count.clamp(min=1)``;
     under sequence parallelism sum both over the sp group first (exact normalisation by
-    the global token count). ``count`` carries no gradient."""
+    the global token count). ``count`` carries no gradient. ``hold(params)``: a context
+    under which ``params`` stay readable (ZeRO-3 gathers them once for the tile loop, in
+    forward and in backward, instead of around every tile's call of ``project``)."""
     rows = h.reshape(-1, h.size(-1))
     ys = targets.reshape(-1)
     if ys.size(0) != rows.size(0):
@@ -213,13 +240,25 @@ def tiled_logits_loss(project: Callable[[torch.Tensor], torch.Tensor], h: torch.
     v = vocab or _out_features(project, rows)
     n = loss_shards(num_shards, rows.size(0), v)
 
+    def score(logits: torch.Tensor, yt: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits.float(), yt, ignore_index=ignore_index, reduction="sum")
+
     def tile_loss(xt: torch.Tensor, yt: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(project(xt).float(), yt, ignore_index=ignore_index, reduction="sum")
+        return score(project(xt), yt)
 
     if not torch.is_grad_enabled():
         total = sum(tile_loss(xt, yt) for xt, yt in zip(rows.tensor_split(n), ys.tensor_split(n)))
         return total, count
-    return _TiledLoss.apply(tile_loss, n, rows, ys, *_grad_params(params)), count
+    params = _grad_params(params)
+    plain = cross_entropy is F.cross_entropy and _plain_linear(project, params)
+    linear = (project, ignore_index) if plain else None
+    return _TiledLoss.apply(tile_loss, linear, hold, n, rows, ys, *params), count
+
+
+def _plain_linear(project: Callable, params: Sequence[torch.Tensor]) -> bool:
+    """``project`` is a bias-free ``nn.Linear`` and its weight is the one parameter trained."""
+    return (isinstance(project, nn.Linear) and project.bias is None and len(params) == 1
+            and params[0] is project.weight)
 
 
 def _out_features(project: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor) -> int:
@@ -235,27 +274,47 @@ def _swap(tile_loss: Callable, yt: torch.Tensor, xt: torch.Tensor) -> torch.Tens
 
 
 class _TiledLoss(torch.autograd.Function):
-    """Sum over row tiles of ``tile_loss(x_tile, y_tile)`` (a scalar each); see the module docstring."""
+    """Sum over row tiles of ``tile_loss(x_tile, y_tile)`` (a scalar each); see the module docstring.
+    ``linear``: ``(head, ignore_index)`` when the loss is ``F.cross_entropy`` of a bias-free
+    ``nn.Linear`` whose weight is the only parameter (:mod:`zeal.models.tiled_head`), else None."""
 
     @staticmethod
-    def forward(ctx, tile_loss: Callable, n: int, x: torch.Tensor, y: torch.Tensor,  # noqa: D102
-                *params: torch.Tensor) -> torch.Tensor:
-        ctx.tile_loss, ctx.n, ctx.params = tile_loss, n, params
-        ctx.save_for_backward(x, y)
+    def forward(ctx, tile_loss: Callable, linear: tuple[nn.Linear, int] | None, hold: Hold | None,  # noqa: D102
+                n: int, x: torch.Tensor, y: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.tile_loss, ctx.linear, ctx.hold, ctx.n, ctx.params = tile_loss, linear, hold, n, params
         total = torch.zeros((), dtype=torch.float32, device=x.device)
-        for xt, yt in zip(x.tensor_split(n), y.tensor_split(n)):
-            total += tile_loss(xt, yt)
+        lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device) if linear is not None else None
+        with _held(hold, params):
+            for i, (xt, yt) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
+                if linear is None:
+                    total += tile_loss(xt, yt)
+                else:
+                    total += th.forward_tile(linear[0], xt, yt, linear[1], lse.tensor_split(n)[i])
+        ctx.save_for_backward(x, y, lse)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        x, y = ctx.saved_tensors
+        x, y, lse = ctx.saved_tensors
         params = ctx.params
         want = [p.requires_grad for p in params]
-        gx = torch.empty_like(x) if ctx.needs_input_grad[2] else None
-        acc: list[torch.Tensor | None] = [None] * len(params)
-        start = 0
-        for xt, yt in zip(x.tensor_split(ctx.n), y.tensor_split(ctx.n)):
-            start = _tile_backward(functools.partial(_swap, ctx.tile_loss, yt), xt, grad, params, want, gx, acc,
-                                   start)
-        return (None, None, gx, None, *_cast_back(acc, params))
+        need_x = ctx.needs_input_grad[4]
+        with _held(ctx.hold, params):
+            if ctx.linear is not None and th.by_slices(ctx.linear[0].weight, x):
+                gx, gw = th.backward_by_slices(ctx.linear[0].weight, x, y, lse, ctx.n, grad, ctx.linear[1],
+                                               need_x, want[0])
+                return (None, None, None, None, gx, None, gw)
+            gx = torch.empty_like(x) if need_x else None
+            acc: list[torch.Tensor | None] = [None] * len(params)
+            start = 0
+            for xt, yt in zip(x.tensor_split(ctx.n), y.tensor_split(ctx.n)):
+                if ctx.linear is not None:
+                    start = th.tile_backward(*ctx.linear, xt, yt, grad, gx, acc, start)
+                else:
+                    start = _tile_backward(functools.partial(_swap, ctx.tile_loss, yt), xt, grad, params, want, gx,
+                                           acc, start)
+        return (None, None, None, None, gx, None, *_cast_back(acc, params))
+
+
+def _held(hold: Hold | None, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if hold is None or not params else hold(params)

@@ -97,6 +97,7 @@ class SequenceParallel:
         self.attention = UlyssesAttention(comm)
         self._signature = inspect.signature(model.forward)
         self.loss_shards: NumShards | None = None  # tiling.tiled_logits_loss: the chunk's loss over tiles
+        self.hold_params = None  # ZeRO-3's holding context for the head (zeal.train.tiling.attach_to_zero)
         # DeepSpeed's ALST semantics for a chunk batch (set by zeal.deepspeed's ulysses_sp.adopt):
         # the chunk's own mean loss, its gradient scaled by this (sp size: DeepSpeed sums over sp)
         self.deepspeed_chunk_loss: float | None = None
@@ -171,7 +172,7 @@ class SequenceParallel:
             h = self.model(ids, positions=pos, attention=self.attention, hidden_only=True, **rest)
         total, count = tiled_logits_loss(project, h, y, self.loss_shards, params=head_params(head),
                                          cross_entropy=ce, ignore_index=IGNORE,
-                                         vocab=getattr(head, "out_features", None))
+                                         vocab=getattr(head, "out_features", None), hold=self.hold_params)
         if self.deepspeed_chunk_loss is not None and own:
             loss = self._deepspeed_chunk(total, count)
         else:

@@ -71,7 +71,7 @@ def _loss(model: nn.Module, comm: Comm) -> Callable[[torch.Tensor, torch.Tensor]
         if policy.loss_shards is not None:
             total, count = tiled_logits_loss(project, h, y, policy.loss_shards, params=head_params(head),
                                              cross_entropy=ce, ignore_index=IGNORE,
-                                             vocab=getattr(head, "out_features", None))
+                                             vocab=getattr(head, "out_features", None), hold=policy.hold_params)
         else:
             logits = project(h)
             total = ce(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=IGNORE,

@@ -141,7 +141,7 @@ def initialize(
     experts = expert_comm_group(model, mesh)  # MoE: expert parameters live over the expert-data group
     zero = apply_zero(model, cfg.zero_optimization, mesh, precision.dtype, groups, group_of, init, cfg.seed,
                       comm_groups=[experts] if experts is not None else None)
-    attach_to_zero(tiled, zero.coordinator)  # stage 3: a TiledMLP gathers its MLP once, not per tile
+    attach_to_zero(tiled, zero.coordinator, model, sp)  # stage 3: a TiledMLP's MLP, the tiled loss's head: once
     apply_compile(model, cfg.compile)  # last: each block's forward as the steps above left it
     mesh.stats.total.clear()  # the layout's broadcasts are not training traffic
     # tensor parallelism: split parameters' squared gradient norms are summed over tp

@@ -88,14 +88,23 @@ def tiled_loss_runner(model: nn.Module, section: TilingConfig | None, sp: Any) -
     return runner
 
 
-def attach_to_zero(wrapped: list[TiledMLP], coordinator: object | None) -> None:
+def attach_to_zero(wrapped: list[TiledMLP], coordinator: object | None, model: nn.Module | None = None,
+                   runner: Any = None) -> None:
     """Under ZeRO-3, gather each TiledMLP's parameters around the whole wrapper call
-    (the parameters as ZeRO materialised them: read after ``apply_zero``)."""
+    (the parameters as ZeRO materialised them: read after ``apply_zero``), and give the tiled
+    loss of ``model`` (its checkpoint policy) and of ``runner`` (the sequence-parallel or Hugging
+    Face loss runner) the coordinator's ``holding``: the head is gathered once for the tile
+    loop, in forward and in backward, not around every tile."""
     if coordinator is None:
         return
     for w in wrapped:
         for p in w.parameters():
             coordinator.add_external(w, p)
+    hold = getattr(coordinator, "holding", None)
+    for target in [m.checkpoint_policy for m in (model.modules() if model is not None else ())
+                   if isinstance(m, Checkpointable)] + ([runner] if runner is not None else []):
+        if hasattr(target, "hold_params"):
+            target.hold_params = hold
 
 
 def _hidden_size(model: nn.Module) -> int | None:

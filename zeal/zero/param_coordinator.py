@@ -377,6 +377,23 @@ class ParamCoordinator:
                 self._ctx_holds[u.index] -= 1
                 self._release(u)
 
+    @contextlib.contextmanager
+    def holding(self, params: list[torch.Tensor]) -> Iterator[None]:
+        """The units of ``params`` gathered once for the whole block, whatever module calls run
+        inside it (a tiled loss calling its head tile by tile). Parameters of no unit are ignored."""
+        units = list({id(u): u for p in params if (u := self._unit_of.get(id(p))) is not None}.values())
+        for u in units:
+            self._start_gather(u)
+        for u in units:
+            self._wait(u)
+            self._ctx_holds[u.index] += 1
+        try:
+            yield
+        finally:
+            for u in units:
+                self._ctx_holds[u.index] -= 1
+                self._release(u)
+
     def gathered_one_by_one(self, only: set[str] | None = None) -> Iterator[list[tuple[str, nn.Parameter]]]:
         """The units' full ``(name, parameter)`` lists, one unit gathered at a time (the
         next one's gather overlapping the caller's use); each is released after use.
