@@ -196,6 +196,16 @@ def _bytes(text: str) -> int:
     return parse_bytes(text) if not text.isdigit() else int(text)
 
 
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The trial model's shape (zeal's Llama, ≈100M at the defaults)."""
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--intermediate", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=32000)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--budget", default="2.5GB", help="peak RSS per rank (default 2.5GB)")
@@ -204,12 +214,7 @@ def main() -> int:
     p.add_argument("--start", type=int, default=1024, help="first length tried (default 1024)")
     p.add_argument("--resolution", type=int, default=512, help="bisect to this many tokens (default 512)")
     p.add_argument("--max", type=int, default=1 << 20, help="longest length tried (a trial there that trains ends the search)")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
+    add_shape_args(p)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of a trial (default 2)")
     p.add_argument("--trial-timeout", type=float, default=900.0, help="seconds per trial")
     p.add_argument("--zero", type=int, default=None, help="ZeRO stage of every trial (default: 3 at --sp > 1, "

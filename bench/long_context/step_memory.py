@@ -155,12 +155,7 @@ def main() -> int:
     p.add_argument("--mode", choices=ml.MODES, default="tiled")
     p.add_argument("--sp", type=int, default=1)
     p.add_argument("--zero", type=int, default=3)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--intermediate", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
+    ml.add_shape_args(p)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--steady", action="store_true", help="one more unmeasured step at --seq before the measured "
                    "one (ZeRO-3's recorded trace then matches: prefetch and reuse are on, as in a run's later steps)")
