@@ -142,7 +142,7 @@ def _accumulate(acc: list[torch.Tensor | None], want: list[bool], grads: list[to
 
 # Elements per slice when a 16-bit tensor is added into an fp32 one: ``fp32.add_(bf16)`` first
 # makes a whole fp32 copy of its operand (a vocabulary x hidden head: 94 MiB at 32000 x 768).
-ADD_SLICE_ELEMS = 1 << 20
+ADD_SLICE_ELEMS = th.SLICE_ELEMS
 
 
 def add_into(acc: torch.Tensor, g: torch.Tensor) -> None:

@@ -362,26 +362,18 @@ class ParamCoordinator:
                     self._keep_spans.setdefault(idx, []).append((q, p))
             last_seen[idx] = p
 
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
+    def gathered(self) -> contextlib.AbstractContextManager:
         """Every unit gathered (full parameters on every rank) inside the block."""
-        for u in self.units:
-            self._start_gather(u)
-        for u in self.units:
-            self._wait(u)
-            self._ctx_holds[u.index] += 1
-        try:
-            yield
-        finally:
-            for u in self.units:
-                self._ctx_holds[u.index] -= 1
-                self._release(u)
+        return self._gathering(self.units)
 
-    @contextlib.contextmanager
-    def holding(self, params: list[torch.Tensor]) -> Iterator[None]:
+    def holding(self, params: list[torch.Tensor]) -> contextlib.AbstractContextManager:
         """The units of ``params`` gathered once for the whole block, whatever module calls run
         inside it (a tiled loss calling its head tile by tile). Parameters of no unit are ignored."""
-        units = list({id(u): u for p in params if (u := self._unit_of.get(id(p))) is not None}.values())
+        return self._gathering(list({id(u): u for p in params if (u := self._unit_of.get(id(p))) is not None}.values()))
+
+    @contextlib.contextmanager
+    def _gathering(self, units: list) -> Iterator[None]:
+        """``units`` gathered on entry (all started, then waited for) and released on exit."""
         for u in units:
             self._start_gather(u)
         for u in units:
