@@ -577,11 +577,16 @@ def main(argv: list[str] | None = None) -> int:
         report(a.path)
         return 0
     t = time.perf_counter()
-    try:
-        rec = {"stage": a.stage, "dry_run": a.dry_run} | STAGES[a.stage](a.dry_run)
-    except Exception as e:  # noqa: BLE001 - the stage's own failure, reported as its line
-        traceback.print_exc()
-        rec = {"stage": a.stage, "dry_run": a.dry_run, "error": _err(e)}
+    # the stage's scratch folders (saved models, NVMe swap) go under one folder removed at its end
+    with tempfile.TemporaryDirectory(prefix=f"zeal-gpu-{a.stage}-") as scratch:
+        tempfile.tempdir = scratch
+        try:
+            rec = {"stage": a.stage, "dry_run": a.dry_run} | STAGES[a.stage](a.dry_run)
+        except Exception as e:  # noqa: BLE001 - the stage's own failure, reported as its line
+            traceback.print_exc()
+            rec = {"stage": a.stage, "dry_run": a.dry_run, "error": _err(e)}
+        finally:
+            tempfile.tempdir = None
     rec["seconds"] = round(time.perf_counter() - t, 1)
     print(json.dumps(rec), flush=True)
     return 0

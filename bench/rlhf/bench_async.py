@@ -70,7 +70,8 @@ def run(variant: str, args) -> dict:
                     "async_rollouts": k, "generation_dtype": args.generation_dtype, "log_every": 1,
                     "async_generator_threads": int(threads) if threads else None}}
     t0 = time.perf_counter()
-    res = grpo(None, graded_arithmetic_reward, [r["prompt"] for r in rows], cfg, out=tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory(prefix="zeal-bench-async-") as out:  # SmolLM2 checkpoints (~1.6 GB): not kept
+        res = grpo(None, graded_arithmetic_reward, [r["prompt"] for r in rows], cfg, out=out)
     wall = time.perf_counter() - t0
     m = res.metrics
     samples = args.steps * args.prompts * args.n

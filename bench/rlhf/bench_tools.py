@@ -55,8 +55,9 @@ def run(seed: int, args) -> dict:
           "max_turns": args.max_turns, "beta": 0.0, "generation_dtype": "fp32", "loss_type": "dapo", "seed": seed,
           "tools": ["calculator"], "verifiers": ["math"], "tool_reward": args.tool_reward, "log_every": 10**6}
     t0 = time.perf_counter()
-    res = grpo(tiny_llama(vocab, seed), None, rows, {**cfg, "rlhf": rc}, tokenizer=tok, eos_token_ids=[1],
-               out=tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory(prefix="zeal-bench-tools-") as out:  # the run's checkpoints: not kept
+        res = grpo(tiny_llama(vocab, seed), None, rows, {**cfg, "rlhf": rc}, tokenizer=tok, eos_token_ids=[1],
+                   out=out)
     wall = time.perf_counter() - t0
     after = evaluate(res.extra["hybrid"], tok, rows, args.eval_n, 10_000 + 1000 * seed, args.max_turns)
     m = res.metrics

@@ -85,7 +85,8 @@ def run_zeal(args, template: str, rows: list[dict], first: int) -> dict:
           "loss_type": "grpo", "log_every": 1}
     cfg = {"optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0}}, "rlhf": rc}
     t0 = time.perf_counter()
-    res = grpo(None, reward, rows, cfg, tokenizer=tok, out=tempfile.mkdtemp(), environment=environment)
+    with tempfile.TemporaryDirectory(prefix="zeal-bench-tools-trl-") as out:  # SmolLM2 checkpoints: not kept
+        res = grpo(None, reward, rows, cfg, tokenizer=tok, out=out, environment=environment)
     wall = time.perf_counter() - t0
     m = res.metrics
     steps = [r["time_generate_s"] + r["time_train_s"] + r["time_sync_s"] for r in m]

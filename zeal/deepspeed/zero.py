@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from zeal.utils.meta import meta_device
+
 
 class ZeroParamStatus(Enum):
     """Where a ZeRO-3 parameter's values are (DeepSpeed's enum; also at DeepSpeed's path
@@ -55,7 +57,7 @@ class Init:
 
     def __enter__(self) -> Init:
         if self.enabled:
-            self._device = torch.device("meta")
+            self._device = meta_device()  # ZeRO materialises each unit with the model's own initialiser
             self._device.__enter__()
         return self
 

@@ -34,11 +34,13 @@ class OpaqueAttention:
 
     def __init__(self, inner) -> None:
         self.inner = inner
+        # wrapped here, not as a decorator: ``torch.compiler.disable`` imports dynamo (~1.4 s
+        # of every serving process's start), which only an engine that compiles needs
+        self._outside_graph = torch.compiler.disable(inner)
 
-    @torch.compiler.disable
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  dropout_p: float = 0.0) -> torch.Tensor:
-        return self.inner(layer_idx, q, k, v, dropout_p)
+        return self._outside_graph(layer_idx, q, k, v, dropout_p)
 
 
 def compile_level(cfg: EngineConfig, device: torch.device) -> int:

@@ -41,6 +41,7 @@ from zeal.models.hf_folder import (  # the folder core, re-exported under their 
 )
 from zeal.models.hf_folder import read_safetensors_folder as read_safetensors_folder
 from zeal.models.llama import Llama
+from zeal.utils.meta import meta_device
 from zeal.utils.paths import cache_dir
 
 
@@ -85,7 +86,7 @@ def hf_skeleton(path: str | os.PathLike) -> HFSkeleton:
     cfg = json.loads((p / "config.json").read_text())
     mt = cfg.get("model_type", "llama")
     if mt == "gpt2":
-        with torch.device("meta"):
+        with meta_device():
             model: nn.Module = GPT(gpt2_config_from_hf(cfg))
         return HFSkeleton(model, cfg, _gpt2_tensor, "transformer.wte.weight", True, retie=_gpt2_retie)
     if is_llama_like(cfg):

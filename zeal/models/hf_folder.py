@@ -26,6 +26,7 @@ from torch import nn
 
 from zeal.models.hf_moe import MOE_TYPES, moe_config, moe_state_from_hf
 from zeal.models.llama_config import LlamaConfig, rope_inv_freq
+from zeal.utils.meta import meta_device
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "smollm"}
 
@@ -105,7 +106,7 @@ def llama_skeleton(cls: Callable[[LlamaConfig], nn.Module], cfg: dict) -> HFSkel
     Llama-family ``config.json`` dict, with how its checkpoint loads."""
     mt = cfg.get("model_type", "llama")
     lcfg = moe_config(cfg) if mt in MOE_TYPES else LlamaConfig.from_hf(cfg)
-    with torch.device("meta"):
+    with meta_device():
         model = cls(lcfg)
     return HFSkeleton(model, cfg, _llama_tensor, "model.embed_tokens.weight", lcfg.tie_word_embeddings,
                       moe_state_from_hf if mt in MOE_TYPES else None, _llama_retie)

@@ -120,9 +120,11 @@ _MOE_KEYS = ("num_experts", "moe_every", "top_k", "capacity_factor", "aux_loss_c
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies ``(head_dim/2,)``, with HF's ``linear`` and ``llama3`` scalings."""
+    """Inverse frequencies ``(head_dim/2,)``, with HF's ``linear`` and ``llama3`` scalings;
+    on the CPU, also inside ``torch.device("meta")`` (on meta these ops run torch's Python
+    references, whose first use imports the compiler: seconds of a process's start)."""
     hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64, device="cpu") / hd))
     s = cfg.rope_scaling
     if not s:
         return inv.float()

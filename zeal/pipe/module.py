@@ -37,6 +37,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from zeal.utils.meta import meta_device
+
 
 class LayerSpec:
     """A layer to build later: ``LayerSpec(cls, *args, **kwargs).build()`` is ``cls(*args, **kwargs)``."""
@@ -67,7 +69,7 @@ class _Fn(nn.Module):
 def count_parameters(layer: Any) -> int:
     """Parameters of a layer; a LayerSpec is built on the meta device to count them."""
     if isinstance(layer, LayerSpec):
-        with torch.device("meta"):
+        with meta_device():
             layer = layer.build()
     if isinstance(layer, nn.Module):
         return sum(p.numel() for p in layer.parameters())

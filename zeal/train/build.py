@@ -66,6 +66,7 @@ from zeal.train.engine import EngineParts, TrainEngine
 from zeal.train.flops_profiler import FlopsProfiler
 from zeal.train.lr_schedules import build_scheduler
 from zeal.train.tiling import apply_tiling, attach_to_zero, tiled_loss_runner
+from zeal.utils.meta import meta_device
 from zeal.utils.process import set_malloc_thresholds
 from zeal.zero.apply import apply_zero
 from zeal.zero.offload.apply import apply_offload
@@ -233,7 +234,7 @@ def _instantiate(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
         return model
     if not callable(model):
         raise TypeError(f"model must be an nn.Module or a factory, got {type(model).__name__}")
-    with torch.device("meta"):
+    with meta_device():
         return model()
 
 

@@ -37,6 +37,7 @@ from zeal.models.hf import load_hf_model, model_folder
 from zeal.train import data_efficiency_job
 from zeal.train.metrics import MetricsSink, ProgressBar, plot_loss_curve
 from zeal.utils.flops import flops_per_token, peak_flops
+from zeal.utils.meta import meta_device
 from zeal.utils.process import apply_process_settings
 
 # ----------------------------------------------------------------------------------- data
@@ -355,7 +356,7 @@ def _train(run: _Run) -> tuple[int, float, float]:
 def _flops_per_token(model: Any, seq_len: int) -> float:
     """Model FLOPs per token of ``model`` (a module, or a factory built here on the meta device)."""
     if not isinstance(model, torch.nn.Module):
-        with torch.device("meta"):
+        with meta_device():
             model = model()
     return flops_per_token(model, seq_len)
 

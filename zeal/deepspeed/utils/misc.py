@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from zeal.utils.meta import meta_device
+
 
 class RepeatingLoader:
     """Iterate ``loader`` forever: when it ends, start it again (a new epoch; a
@@ -40,10 +42,13 @@ class OnDevice:
                  enabled: bool = True) -> None:
         self.dtype, self.device, self.enabled = dtype, torch.device(device), enabled
         self._old_dtype: torch.dtype | None = None
+        self._context: Any = None
 
     def __enter__(self) -> OnDevice:
         if self.enabled:
-            self.device.__enter__()
+            # on meta, the initialisers' random fills are skipped (no values to fill)
+            self._context = meta_device() if self.device.type == "meta" else self.device
+            self._context.__enter__()
             if self.dtype is not None:
                 self._old_dtype = torch.get_default_dtype()
                 torch.set_default_dtype(self.dtype)
@@ -54,4 +59,5 @@ class OnDevice:
             if self._old_dtype is not None:
                 torch.set_default_dtype(self._old_dtype)
                 self._old_dtype = None
-            self.device.__exit__(*exc)
+            self._context.__exit__(*exc)
+            self._context = None
