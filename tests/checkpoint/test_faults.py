@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 - the optimizer step imports it lazily (seconds); the forkserver preloads it
 from torch import nn
 
 from tests.checkpoint.test_resume_reshard import config, train
@@ -75,7 +74,8 @@ def _digests(root: Path) -> dict[str, dict[str, str]]:
 
 def _kill_trials(tmp_path: Path, trials: int) -> None:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.checkpoint.test_faults"])
+    # torch._dynamo: the optimizer step imports it lazily (seconds); preloaded once, not per saver
+    ctx.set_forkserver_preload(["torch._dynamo", "tests.checkpoint.test_faults"])
     root = tmp_path / "kill"
     loader = _mlp_engine()
     loader.save_checkpoint(str(root), tag="t0")

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from tests.inference.conftest import VOCAB, _save_tokenizer
+from tests.needs import needs
 from zeal.cli.main import main
 from zeal.compression.export import decompress_state
 from zeal.compression.nm import group_density
 from zeal.models.hf import load_hf_model, save_hf_folder
 from zeal.models.llama import Llama, LlamaConfig
 
-pytest.importorskip("compressed_tensors")
+pytestmark = needs("compressed_tensors")
 
 
 @pytest.mark.timeout(120)

@@ -7,13 +7,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.needs import needs
 from zeal.compression.export import decompress_state
 from zeal.compression.modules import QuantSpec, apply_masks_, linear_targets, magnitude_masks, swap_qat
 from zeal.compression.quant import quantize_dequantize
 from zeal.models.hf import load_hf_model, save_hf_folder
 from zeal.models.llama import Llama, LlamaConfig
 
-pytest.importorskip("compressed_tensors")
+pytestmark = needs("compressed_tensors")
 
 CFG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.08)

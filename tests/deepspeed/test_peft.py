@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.dist_harness import free_port, run_ranks
+from tests.needs import needs
 
-pytest.importorskip("peft")
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [needs("peft"), pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 

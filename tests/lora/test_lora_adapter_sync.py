@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.lora.lora_cases import engine_config, write_initial_adapter, zeal_losses, zeal_model
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytestmark = needs("transformers", "peft")
 
 PROMPTS = [[1, 2, 3], [5, 9, 11, 13, 2], [7]]
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.lora.lora_cases import engine_config, hf_model, write_initial_adapter, zeal_model
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytestmark = needs("transformers", "peft")
 
 
 def planned_states(stage: int, world: int, quant: str = "none") -> int:

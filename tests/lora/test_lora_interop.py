@@ -21,9 +21,9 @@ from tests.lora.lora_cases import (
     zeal_losses,
     zeal_model,
 )
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytestmark = needs("transformers", "peft")
 
 IDS = torch.tensor([[3, 14, 15, 9, 26, 5, 35, 8]])
 
@@ -58,6 +58,8 @@ def test_zeal_saved_adapter_loaded_by_peft(tmp_path):
     engine.save_adapter(str(tmp_path / "out"))
     want = _logits(engine.module)
     engine.close()
+    import peft
+
     pm = peft.PeftModel.from_pretrained(hf_model(), str(tmp_path / "out"))
     torch.testing.assert_close(_logits(pm), want, rtol=0, atol=1e-5)
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.lora.lora_cases import VOCAB, engine_config, write_initial_adapter, zeal_losses, zeal_model
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytestmark = needs("transformers", "peft")
 
 
 def _lp(model, ids):

@@ -16,9 +16,9 @@ import torch
 
 from tests.dist_harness import run_ranks
 from tests.lora.lora_cases import LR, WD, data, engine_config, peft_model, write_initial_adapter, zeal_model
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytestmark = needs("transformers", "peft")
 
 CLIP = 0.05
 

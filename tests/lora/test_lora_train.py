@@ -21,9 +21,9 @@ from tests.lora.lora_cases import (
     zeal_losses,
     zeal_model,
 )
+from tests.needs import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytestmark = needs("transformers", "peft")
 
 
 def _close(got: list[float], want: list[float], what: str) -> None:

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests.needs import needs
 from zeal.lora.peft_folder import (
     LoraPair,
     PeftAdapter,
@@ -21,11 +22,12 @@ from zeal.lora.peft_folder import (
     write_adapter,
 )
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytestmark = needs("peft", "transformers")
 
 
 def _hf_llama(seed: int = 0):
+    import transformers
+
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -33,6 +35,8 @@ def _hf_llama(seed: int = 0):
 
 
 def _peft_targets(model, **kw) -> set[str]:
+    import peft
+
     pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, **kw))
     return {n.removeprefix("base_model.model.") for n, m in pm.named_modules()
             if isinstance(m, peft.tuners.lora.LoraLayer)}
@@ -62,6 +66,8 @@ def test_modules_to_save_matching():
 
 
 def test_read_folder_peft_wrote(tmp_path):
+    import peft
+
     pm = peft.get_peft_model(_hf_llama(), peft.LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "up_proj"],
                                                          use_rslora=True, modules_to_save=["lm_head"],
                                                          init_lora_weights=False, rank_pattern={"up_proj": 2}))
@@ -86,6 +92,8 @@ def test_write_folder_peft_reads(tmp_path):
     lora = {f"model.layers.{i}.self_attn.v_proj": LoraPair(torch.randn(2, 32), torch.randn(16, 2), 2.0)
             for i in range(2)}
     write_adapter(tmp_path, PeftAdapter(cfg, lora))
+    import peft
+
     pm = peft.PeftModel.from_pretrained(_hf_llama(), str(tmp_path))
     v = pm.base_model.model.model.layers[1].self_attn.v_proj
     assert torch.equal(v.lora_A["default"].weight, lora["model.layers.1.self_attn.v_proj"].A)
