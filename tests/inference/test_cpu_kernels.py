@@ -6,6 +6,8 @@ import importlib.util
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -28,6 +30,35 @@ def test_kernels_build_where_a_compiler_is():
     if shutil.which(os.environ.get("CXX", "c++")) is None or importlib.util.find_spec("ninja") is None:
         pytest.skip("no C++ compiler or ninja here")
     assert ops is not None
+
+
+@needs_ops
+@pytest.mark.timeout(120)
+def test_a_built_library_is_loaded_in_another_environment_without_a_rebuild(tmp_path):
+    """The library built under the hashed name is loaded as it is by any environment with the
+    same source, torch, Python and CPU: a build file naming another virtual environment's torch
+    folder (a fresh clone's venv) does not send it through ninja again. (A fresh interpreter:
+    a second copy of the library in this process would register its ops twice.)"""
+    from zeal.inference import kernels
+
+    name = kernels._build_name()
+    src = kernels.cache_dir() / "kernels" / name / f"{name}.so"
+    there = tmp_path / "kernels" / name
+    there.mkdir(parents=True)
+    shutil.copy2(src, there / src.name)
+    (there / "build.ninja").write_text("cflags = -isystem /another/venv/lib/python3.11/site-packages/torch/include\n")
+    before = (there / src.name).stat().st_mtime_ns
+    code = ("import torch, torch.utils.cpp_extension as ce\n"
+            "def no_build(*a, **k):\n    raise SystemExit('cpp_extension.load was called: the kernels were built again')\n"
+            "ce.load = no_build\n"
+            "from zeal.inference import kernels\n"
+            "ops = kernels._load()\n"
+            "print(sorted(n for n in dir(ops) if not n.startswith('_'))[:3])\n")
+    r = subprocess.run([sys.executable, "-c", code], env=os.environ | {"ZEAL_CACHE": str(tmp_path)},
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    assert r.stdout.strip() not in ("", "[]"), r.stdout  # the library's ops are registered
+    assert (there / src.name).stat().st_mtime_ns == before
 
 
 def _decode_case(nh, nkv, hd, bs, lens, dtype, shared_prefix=0, seed=0):

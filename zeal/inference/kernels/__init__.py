@@ -1,8 +1,9 @@
 """Fused CPU kernels for serving, compiled from ``cpu_kernels.cpp`` on first use.
 
 The build (``torch.utils.cpp_extension``, ``-O3 -march=native``, about 25 s on two
-cores) runs once per machine, source and torch version; the library is kept under
-zeal's cache (``$ZEAL_CACHE/kernels``). Without a C++ compiler or ``ninja``, or with
+cores) runs once per machine, source, torch and Python version; the library is kept under
+zeal's cache (``$ZEAL_CACHE/kernels``) and loaded from there by every environment that
+matches, whatever its folder. Without a C++ compiler or ``ninja``, or with
 ``ZEAL_CPU_KERNELS=0``, :func:`cpu_kernels` returns None and callers keep their
 pure-torch path, which computes the same thing.
 """
@@ -53,7 +54,18 @@ def _load() -> object:
             lock.unlink(missing_ok=True)
     except FileNotFoundError:
         pass
-    if not (build_dir / f"{name}.so").exists():
+    built = build_dir / f"{name}.so"
+    if built.is_file() and not lock.exists():
+        # The name already fixes the source, torch and Python versions and the CPU, so a built
+        # library serves every environment that has them. cpp_extension.load would run ninja
+        # first, whose build file names this environment's torch folder: another virtual
+        # environment (a fresh clone's) would rebuild it (~25 s of two cores).
+        try:
+            torch.ops.load_library(str(built))
+            return torch.ops.zeal_cpu
+        except OSError as e:  # a library left half-written by a killed build: build it again
+            log.warning("zeal: rebuilding the fused CPU kernels (%s)", str(e).splitlines()[0] if str(e) else e)
+    else:
         log.warning("zeal: compiling the fused CPU kernels once (%s)", build_dir)
     # Build from a copy kept beside the build: ninja rebuilds when a source's path changes, and
     # the name (a hash of the text) already tells builds apart, so every checkout shares one.
