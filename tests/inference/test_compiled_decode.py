@@ -10,7 +10,7 @@ import torch
 
 from zeal.config.inference import EngineConfig
 from zeal.inference import LLM, SamplingParams
-from zeal.inference.compiled_decode import CompiledStep, OpaqueAttention, compile_level
+from zeal.inference.compiled_decode import CompiledStep, OpaqueAttention, compile_level, outside_graph
 
 PROMPTS = [[3, 9, 4, 12, 33, 8], [40, 41], [5, 6, 7, 8, 9, 10, 11], [2]]
 
@@ -45,6 +45,9 @@ def test_opaque_attention_keeps_the_layers_on_torch_ops():
     att = OpaqueAttention(lambda i, q, k, v, p: calls.append(i) or q)
     q = torch.ones(2, 4, 8)
     assert att.ops is None and att(1, q, q, q) is q and calls == [1]
+    outside = outside_graph()  # the class a compiled step uses: its call is a graph break
+    assert outside is outside_graph() and issubclass(outside, OpaqueAttention)
+    assert outside(att.inner)(2, q, q, q) is q and calls == [1, 2]
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,7 @@ is faster (``bench/inference/bench_decode_modes.py``); ``enforce_eager`` turns i
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -34,13 +35,20 @@ class OpaqueAttention:
 
     def __init__(self, inner) -> None:
         self.inner = inner
-        # wrapped here, not as a decorator: ``torch.compiler.disable`` imports dynamo (~1.4 s
-        # of every serving process's start), which only an engine that compiles needs
-        self._outside_graph = torch.compiler.disable(inner)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  dropout_p: float = 0.0) -> torch.Tensor:
-        return self._outside_graph(layer_idx, q, k, v, dropout_p)
+        return self.inner(layer_idx, q, k, v, dropout_p)
+
+
+@functools.cache
+def outside_graph() -> type[OpaqueAttention]:
+    """:class:`OpaqueAttention` with its call disabled for the compiler (the graph breaks at
+    the layer's call). Made on first use, not by a decorator on the class:
+    ``torch.compiler.disable`` imports dynamo (~1.4 s of every serving process's start),
+    which only an engine that compiles needs. Call it outside the compiled function."""
+    call = torch.compiler.disable(OpaqueAttention.__call__)
+    return type("OpaqueAttention", (OpaqueAttention,), {"__call__": call})
 
 
 def compile_level(cfg: EngineConfig, device: torch.device) -> int:

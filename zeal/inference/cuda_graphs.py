@@ -175,7 +175,7 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
     inside the graph, or with the fused CPU kernels' attention left out of it (the layers'
     other ops then compile from torch ops); off CUDA it runs without graphs."""
     from zeal.inference.attention import AttentionMetadata, DecodeTables, PagedAttention
-    from zeal.inference.compiled_decode import OpaqueAttention, compile_step
+    from zeal.inference.compiled_decode import compile_step, outside_graph
     from zeal.inference.paged_flex import FlexPagedAttention
 
     bs = runner.block_size
@@ -187,6 +187,7 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
     backend = runner.attn_backend
     # compiled with the fused CPU kernels: their attention runs outside the graph (OpaqueAttention)
     opaque = compile and runner.kernels is not None and backend is None
+    opaque_attention = outside_graph() if opaque else None
     if compile and not opaque:
         backend = backend or FlexPagedAttention()
 
@@ -195,8 +196,8 @@ def runner_decode_graphs(runner, max_num_seqs: int, max_seq_tokens: int, enforce
         meta = AttentionMetadata(slot_mapping=inp["slots"], kernels=runner.kernels, backend=backend)
         meta.decodes = DecodeTables(slice(0, n), inp["tables"], inp["lens"])
         attention = PagedAttention(runner.k_cache, runner.v_cache, meta)
-        if opaque:
-            attention = OpaqueAttention(attention)
+        if opaque_attention is not None:
+            attention = opaque_attention(attention)
         return runner.model(inp["ids"], positions=inp["pos"], attention=attention)
 
     step = compile_step(forward, len(decode_buckets(max_num_seqs)), runner.model.num_layers) if compile else forward
