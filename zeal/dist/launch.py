@@ -169,7 +169,9 @@ def run_torchrun(argv: list[str], nproc: int, *, prog: str, log_dir: str | os.Pa
         child[ENV_DEADLINE] = str(time.time() + timeout_s)
     local = local_launch(argv)
     if local is not None:  # one node, no restarts: this process starts the ranks (zeal.dist.local_ranks)
-        rc, timed_out = run_local(local, child, logs, timeout_s)
+        port = local.master_port if local.master_port is not None else free_port(local.master_addr)
+        status = run_local(local, child, logs, port, timeout_s)
+        rc, timed_out = (TIMEOUT_STATUS, True) if status is None else (status, False)
     else:
         child[ENV_TORCHRUN_LOG] = str(logs / "torchrun.log")
         rc, timed_out = _run_torchrun(argv, child, timeout_s)

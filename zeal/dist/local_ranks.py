@@ -83,12 +83,11 @@ def local_rank_env(rank: int, nproc: int, addr: str, port: int, run_id: str) -> 
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
 
 
-def run_local(launch: LocalLaunch, env: dict[str, str], logs: Path, timeout_s: float | None = None) -> tuple[int, bool]:
-    """Start ``launch``'s ranks with ``env`` plus their variables, wait for them; returns
-    (exit status, whether ``timeout_s`` ran out). Every rank is ended before this returns."""
-    from zeal.dist.launch import TIMEOUT_STATUS, free_port
-
-    port = launch.master_port if launch.master_port is not None else free_port(launch.master_addr)
+def run_local(launch: LocalLaunch, env: dict[str, str], logs: Path, port: int,
+              timeout_s: float | None = None) -> int | None:
+    """Start ``launch``'s ranks with ``env`` plus their variables (meeting at ``port``), wait
+    for them; returns the exit status, or None when ``timeout_s`` ran out. Every rank has
+    been ended when this returns."""
     run_id = str(uuid.uuid4())
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     procs: list[subprocess.Popen] = []
@@ -106,13 +105,13 @@ def run_local(launch: LocalLaunch, env: dict[str, str], logs: Path, timeout_s: f
                 if failed:
                     rank, code = failed[0], codes[failed[0]]
                     log.write(f"{_now()} rank {rank} failed first ({_status_text(code)}); ending the others\n")
-                    return (code if code > 0 else 1), False
+                    return code if code > 0 else 1
                 if all(c == 0 for c in codes):
                     log.write(f"{_now()} every rank exited with status 0\n")
-                    return 0, False
+                    return 0
                 if deadline is not None and time.monotonic() >= deadline:
                     log.write(f"{_now()} the time limit ({timeout_s:g} s) ran out; ending the ranks\n")
-                    return TIMEOUT_STATUS, True
+                    return None
                 time.sleep(POLL_S)
         except BaseException as e:  # Ctrl-C, SIGTERM, a failed start: the ranks go with us
             log.write(f"{_now()} the launcher stopped ({type(e).__name__}); ending the ranks\n")
