@@ -135,8 +135,9 @@ def launch_ranks(program: list[str], nproc: int, *, prog: str, log_dir: str | os
                  env: dict[str, str] | None = None, timeout_s: float | None = None,
                  comm_timeout_s: float | None = None, **rendezvous) -> int:
     """Run ``python -m MODULE ARGS`` (``program``, a module and its arguments) on ``nproc``
-    ranks of this node (started by this process on one node, by torchrun on several); returns the exit status (0, the first failed
-    rank's, or :data:`TIMEOUT_STATUS`). ``rendezvous``: :func:`torchrun_argv`'s node keywords.
+    ranks of this node (started by this process on one node, by torchrun on several); returns
+    the exit status (0, the first failed rank's, or :data:`TIMEOUT_STATUS`). ``rendezvous``:
+    :func:`torchrun_argv`'s node keywords.
 
     The ranks' records go to ``log_dir`` (default: a temporary folder, removed after a
     successful run). On failure ``prog`` (``"zeal train"``) prefixes the one line printed to
