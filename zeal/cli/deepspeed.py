@@ -1,8 +1,9 @@
 """`zeal deepspeed`: DeepSpeed's ``deepspeed`` launcher, on zeal, for unchanged scripts.
 
 ``zeal deepspeed [--num_gpus N] [--num_nodes N] [--hostfile F] [--include/--exclude SPEC]
-[--master_port P] [--master_addr A] SCRIPT [ARGS]`` starts the ranks through torchrun
-(:mod:`zeal.cli.launch`); in each, ``import deepspeed`` and every ``deepspeed.*`` module
+[--master_port P] [--master_addr A] SCRIPT [ARGS]`` starts the ranks (this process
+starts one node's ranks itself, as DeepSpeed's launcher does; torchrun for several nodes:
+:mod:`zeal.dist.launch`); in each, ``import deepspeed`` and every ``deepspeed.*`` module
 resolve to ``zeal.deepspeed`` (:mod:`zeal.deepspeed.switch`), and the script gets
 ``--local_rank=N`` before its own arguments (not with ``--no_local_rank``) and the
 environment DeepSpeed's launcher sets: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
@@ -102,7 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--module", action="store_true", help="SCRIPT is a Python module, as python -m")
     p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank to the script")
     p.add_argument("--no_python", action="store_true", help="refused: zeal runs Python scripts only")
-    p.add_argument("--launcher", default="pdsh", help="accepted; zeal starts no remote processes (torchrun only)")
+    p.add_argument("--launcher", default="pdsh", help="accepted; zeal starts no remote processes (torchrun on each node)")
     p.add_argument("--log_dir", default=None, help="where a failing rank writes its traceback (rankN.log)")
     p.add_argument("--dry_run", action="store_true", help="print the torchrun command and exit")
     _add_accepted_flags(p)
@@ -147,7 +148,7 @@ def _rank_env(args: argparse.Namespace, nproc: int) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Pick the resources, then start this node's ranks through torchrun."""
+    """Pick the resources, then start this node's ranks (:func:`zeal.dist.launch.run_torchrun`)."""
     from zeal.deepspeed.__main__ import PASS_LOCAL_RANK
     from zeal.deepspeed.switch import ENV, site_dir
 

@@ -1,6 +1,7 @@
 """`zeal launch`: a thin layer over ``torch.distributed.run`` (torchrun).
 
-One node: ``zeal launch --nproc 2 script.py args`` runs torchrun ``--standalone``.
+One node: ``zeal launch --nproc 2 script.py args`` starts the ranks as torchrun ``--standalone``
+would (same variables), from this process: no torchrun agent process.
 Several nodes: run the same command on every node with ``--nnodes``,
 ``--node-rank`` and ``--master-addr``/``--master-port`` (c10d rendezvous hosted at
 the master address), or give ``--hostfile`` (lines ``host [slots=N]``; the first
@@ -61,7 +62,7 @@ def _this_node_rank(hosts: list[Host]) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``zeal launch``."""
     p = subparsers.add_parser(
-        "launch", help="run a script on N processes (and N nodes) through torchrun",
+        "launch", help="run a script on N processes (and N nodes), as torchrun does",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--nproc", type=int, default=None, help="processes per node (default: hostfile slots or 1)")
     p.add_argument("--nnodes", type=int, default=None, help="number of nodes (default 1, or the hostfile's)")
@@ -74,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="c10d (default; ranks by arrival) or static (ranks by --node-rank)")
     p.add_argument("-m", "--module", action="store_true", help="the program is a Python module, as python -m")
     p.add_argument("--log-dir", default=None,
-                   help="where a failing rank writes its traceback (rankN.log) and torchrun its own log "
+                   help="where a failing rank writes its traceback (rankN.log) and the launcher its own log "
                         "(default: a temporary folder, removed after a successful run)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="end the ranks after S seconds, with each rank's last collectives reported")
@@ -83,7 +84,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``zeal launch``: build the torchrun command, run it, return its exit code."""
+    """Run ``zeal launch``: build the torchrun command, run it (one node: without torchrun),
+    return its exit code."""
     nproc, nnodes, node_rank, master = args.nproc, args.nnodes, args.node_rank, args.master_addr
     if args.hostfile:
         path = Path(args.hostfile)
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.program:
         raise ValueError("nothing to launch: give a script (or -m module) and its arguments")
     # Each rank runs the program under zeal.dist.rank_main, which records its error for this
-    # process to print once; torchrun's own failure report goes to a log file.
+    # process to print once; the launcher's (or torchrun's) own report goes to a log file.
     program = [RANK_MAIN, *(["-m"] if args.module else []), *args.program]
     argv = torchrun_argv(nproc or 1, program, nnodes=nnodes or 1, node_rank=node_rank, master_addr=master,
                          master_port=args.master_port, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
@@ -111,6 +113,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_ranks(argv: list[str], nproc: int, log_dir: str | None, timeout_s: float | None = None) -> int:
-    """Run the torchrun command (:func:`zeal.dist.launch.run_torchrun`): on failure the
+    """Run the command (:func:`zeal.dist.launch.run_torchrun`; one node: no torchrun): on failure the
     forensics report, if any, and the first rank's error in one line."""
     return run_torchrun(argv, nproc, prog="zeal launch", log_dir=log_dir, timeout_s=timeout_s)

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("zeal.cli.generate", "sample text from a trained checkpoint"),
     "serve": ("zeal.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
     "estimate": ("zeal.cli.estimate", "per-rank memory for every ZeRO stage and offload; pick one for a budget"),
-    "launch": ("zeal.cli.launch", "run a script on N processes (and N nodes) through torchrun"),
+    "launch": ("zeal.cli.launch", "run a script on N processes (and N nodes), as torchrun does"),
     "deepspeed": ("zeal.cli.deepspeed", "run an unchanged DeepSpeed script on zeal (DeepSpeed's launcher flags)"),
     "checkpoint": ("zeal.cli.checkpoint", "inspect a checkpoint or export it to a Hugging Face folder"),
     "compress": ("zeal.cli.compress", "N:M sparsity (magnitude, Wanda, ADMM) and int8/int4 weights, exported"),

@@ -1,5 +1,5 @@
 """`zeal rlhf sft|rm|ppo|dpo|grpo`: DeepSpeed-Chat's three steps (SFT → reward model → PPO),
-DPO and GRPO, on one process or on ``--nproc`` data-parallel ranks (torchrun, as ``zeal train``).
+DPO and GRPO, on one process or on ``--nproc`` data-parallel ranks (started as ``zeal train`` starts them).
 
 With no arguments each job runs on the embedded SmolLM2-135M-Instruct and the built-in
 offline task (short arithmetic: a programmatic reward for PPO/GRPO, right-before-wrong
@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="train LoRA adapters (as zeal train --lora); the reference is the base with adapters "
                         "off; the run folder gets adapter/ (PEFT) and model/ (merged)")
     p.add_argument("--nproc", type=int, default=1,
-                   help="processes (data-parallel ranks, started through torchrun as 'zeal train' does); "
+                   help="processes (data-parallel ranks, started as 'zeal train' starts them); "
                         "rlhf.batch_size is per rank, rank 0 writes the run folder")
     from zeal.cli.config_flags import add_flags
     from zeal.config.rlhf import RLHFConfig

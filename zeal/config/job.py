@@ -94,7 +94,7 @@ class JobSection(Section):
 
     steps: int | None = Field(None, ge=0, description="Optimizer steps to reach (a resumed job continues up to it); "
                               "None = the model's default (see MODEL_DEFAULTS).")
-    nproc: int = Field(2, ge=1, description="Processes to run on (re-executes under torchrun when > 1).")
+    nproc: int = Field(2, ge=1, description="Processes to run on (when > 1, re-executes as that many ranks: zeal.dist.launch).")
     run_dir: str = Field("runs/default", description="Folder for metrics, plots, samples and checkpoints.")
     resume: bool = Field(False, description="Continue from the latest checkpoint in run_dir/checkpoints.")
     precision: Literal["auto", "bf16", "fp32"] = Field(

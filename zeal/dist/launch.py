@@ -4,9 +4,12 @@ what the launching process prints when they fail.
 Two shapes of launch, one set of rules:
 
 - **A job of N ranks** (``zeal launch``, ``zeal train``, ``zeal rlhf``, ``zeal deepspeed``):
-  :func:`launch_ranks` runs ``python -m zeal.dist.quiet_torchrun`` (torchrun, its own log
-  sent to ``LOGS/torchrun.log``) with :func:`torchrun_argv`'s rendezvous and
-  :func:`child_env`'s environment. Every rank runs its work under :func:`run_rank` (or
+  :func:`launch_ranks` builds :func:`torchrun_argv`'s command and :func:`child_env`'s
+  environment. On one node with no restarts the launching process starts the ranks itself
+  with torchrun's variables (:mod:`zeal.dist.local_ranks`, its log ``LOGS/launcher.log``):
+  no torchrun agent process. Several nodes (c10d or static rendezvous) or ``--max-restarts``
+  run ``python -m zeal.dist.quiet_torchrun`` (torchrun, its own log sent to
+  ``LOGS/torchrun.log``). Every rank runs its work under :func:`run_rank` (or
   ``python -m zeal.dist.rank_main`` for a user's script): a failure is recorded as
   ``LOGS/rankN.{log,json}`` (:mod:`zeal.dist.rank_errors`) and a collective that times out
   leaves ``LOGS/collectives-rankN.json`` (:mod:`zeal.dist.forensics`). When the ranks fail,
@@ -38,11 +41,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from zeal.dist.local_ranks import LOG_NAME, local_launch, run_local
 from zeal.dist.rank_errors import clear_rank_errors, exit_status, failure_line, record_rank_error
 
 T = TypeVar("T")
 RUNNER = "zeal.dist.quiet_torchrun"
-"""The torchrun module every launch uses (torchrun without its console report)."""
+"""The torchrun module a multi-node launch uses (torchrun without its console report)."""
 RANK_MAIN = "zeal.dist.rank_main"
 """The module a rank runs a user's script (or ``-m`` module) under."""
 ENV_LOG_DIR = "ZEAL_RANK_LOG_DIR"
@@ -131,8 +135,9 @@ def launch_ranks(program: list[str], nproc: int, *, prog: str, log_dir: str | os
                  env: dict[str, str] | None = None, timeout_s: float | None = None,
                  comm_timeout_s: float | None = None, **rendezvous) -> int:
     """Run ``python -m MODULE ARGS`` (``program``, a module and its arguments) on ``nproc``
-    ranks of this node through torchrun; returns the exit status (0, the first failed
-    rank's, or :data:`TIMEOUT_STATUS`). ``rendezvous``: :func:`torchrun_argv`'s node keywords.
+    ranks of this node (started by this process on one node, by torchrun on several); returns
+    the exit status (0, the first failed rank's, or :data:`TIMEOUT_STATUS`). ``rendezvous``:
+    :func:`torchrun_argv`'s node keywords.
 
     The ranks' records go to ``log_dir`` (default: a temporary folder, removed after a
     successful run). On failure ``prog`` (``"zeal train"``) prefixes the one line printed to
@@ -148,7 +153,9 @@ def run_torchrun(argv: list[str], nproc: int, *, prog: str, log_dir: str | os.Pa
                  env: dict[str, str] | None = None, timeout_s: float | None = None,
                  comm_timeout_s: float | None = None) -> int:
     """Run a ready :func:`torchrun_argv` command line (``runner`` :data:`RUNNER`) with the
-    launch rules of :func:`launch_ranks` (which builds the command and calls this)."""
+    launch rules of :func:`launch_ranks` (which builds the command and calls this). A
+    single-node standalone command (:func:`zeal.dist.local_ranks.local_launch`) starts its
+    ranks from this process, without torchrun; any other runs torchrun."""
     logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="zeal-launch-"))
     logs.mkdir(parents=True, exist_ok=True)
     clear_rank_errors(logs)
@@ -156,27 +163,38 @@ def run_torchrun(argv: list[str], nproc: int, *, prog: str, log_dir: str | os.Pa
     child.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")  # torch's deprecation notices, once per rank
     child.update(env or {})
     child[ENV_LOG_DIR] = str(logs)
-    child[ENV_TORCHRUN_LOG] = str(logs / "torchrun.log")
     child["ZEAL_FORENSICS_DIR"] = str(logs)  # where a rank whose collective timed out leaves its records
     if comm_timeout_s is not None:
         child["ZEAL_COMM_TIMEOUT_S"] = str(comm_timeout_s)
     if timeout_s is not None:
         child[ENV_DEADLINE] = str(time.time() + timeout_s)
-    proc = subprocess.Popen(argv, env=child, start_new_session=timeout_s is not None)
-    try:
-        rc = proc.wait(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        rc, timed_out = TIMEOUT_STATUS, True
-        _end(proc)
-    except BaseException:  # Ctrl-C: the ranks go with us
-        _end(proc)
-        raise
+    local = local_launch(argv)
+    if local is not None:  # one node, no restarts: this process starts the ranks (zeal.dist.local_ranks)
+        port = local.master_port if local.master_port is not None else free_port(local.master_addr)
+        status = run_local(local, child, logs, port, timeout_s)
+        rc, timed_out = (TIMEOUT_STATUS, True) if status is None else (status, False)
+    else:
+        child[ENV_TORCHRUN_LOG] = str(logs / "torchrun.log")
+        rc, timed_out = _run_torchrun(argv, child, timeout_s)
     if rc != 0:
-        print(failure_report(logs, rc, prog, timeout_s if timed_out else None), file=sys.stderr)
+        launch_log = logs / (LOG_NAME if local is not None else "torchrun.log")
+        print(failure_report(logs, rc, prog, timeout_s if timed_out else None, launch_log), file=sys.stderr)
     elif log_dir is None:
         shutil.rmtree(logs, ignore_errors=True)
     return rc
+
+
+def _run_torchrun(argv: list[str], env: dict[str, str], timeout_s: float | None) -> tuple[int, bool]:
+    """Run the torchrun command; (its exit status, whether ``timeout_s`` ran out)."""
+    proc = subprocess.Popen(argv, env=env, start_new_session=timeout_s is not None)
+    try:
+        return proc.wait(timeout=timeout_s), False
+    except subprocess.TimeoutExpired:
+        _end(proc)
+        return TIMEOUT_STATUS, True
+    except BaseException:  # Ctrl-C: the ranks go with us
+        _end(proc)
+        raise
 
 
 def _end(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -195,9 +213,11 @@ def _end(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait()
 
 
-def failure_report(log_dir: str | os.PathLike, rc: int, prog: str, timed_out_after: float | None = None) -> str:
+def failure_report(log_dir: str | os.PathLike, rc: int, prog: str, timed_out_after: float | None = None,
+                   launch_log: str | os.PathLike | None = None) -> str:
     """What a launcher prints after its ranks failed: the hang-forensics report when any
-    rank left collective records, then one line (the first rank's error, or the time limit)."""
+    rank left collective records, then one line (the first rank's error, or the time limit;
+    with no rank's record, the exit status and ``launch_log``, default ``LOGS/torchrun.log``)."""
     logs = Path(log_dir)
     lines = []
     if any(logs.glob("collectives-rank*.json")):
@@ -208,7 +228,7 @@ def failure_report(log_dir: str | os.PathLike, rc: int, prog: str, timed_out_aft
         lines.append(f"{prog}: error: the ranks did not finish within {timed_out_after:g} s "
                      f"(--timeout); their logs: {logs}")
     else:
-        lines.append(failure_line(logs, rc, prog, logs / "torchrun.log"))
+        lines.append(failure_line(logs, rc, prog, launch_log if launch_log is not None else logs / "torchrun.log"))
     return "\n".join(lines)
 
 
