@@ -81,10 +81,14 @@ def _start(tmp_path: Path, source: str, **kw) -> tuple[subprocess.Popen, Path]:
     code = ("import sys\nfrom zeal.dist.launch import RANK_MAIN, launch_ranks\n"
             f"sys.exit(launch_ranks([RANK_MAIN, {str(script)!r}], 2, prog='zeal test', "
             f"log_dir={str(tmp_path / 'logs')!r}, **{kw!r}))")
+    return _launcher(code), tmp_path / "logs"
+
+
+def _launcher(code: str) -> subprocess.Popen:
+    """``python -c code`` from the checkout, with zeal importable; its stderr piped."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    return proc, tmp_path / "logs"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -252,9 +256,7 @@ def test_sigterm_to_the_launcher_ends_its_ranks(tmp_path):
     code = ("import sys\nfrom zeal.dist.launch import RANK_MAIN, run_torchrun, torchrun_argv\n"
             f"sys.exit(run_torchrun(torchrun_argv(2, [RANK_MAIN, {str(script)!r}, {str(out)!r}], module=True), 2, "
             f"prog='zeal test', log_dir={str(tmp_path / 'logs')!r}))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = _launcher(code)
     end = time.monotonic() + 60
     while not (out / "child").exists() and time.monotonic() < end:
         time.sleep(0.05)
