@@ -11,13 +11,12 @@ import time
 import pytest
 import torch
 
+from tests.kernels import build_in_first_worker
 from zeal.inference.kernels import cpu_kernels
 
 VOCAB = 96
 
-# Build (or load) the fused CPU kernels while tests are collected, where no per-test
-# timeout runs: a first build takes ~25 s on two cores.
-cpu_kernels()
+build_in_first_worker()  # the fused CPU kernels (tests/kernels.py)
 
 
 @pytest.fixture(params=["fused", "torch"])

@@ -1,5 +1,6 @@
 """Tiny models: one thread each (threads only contend on a shared CI machine), and the
-fused CPU kernels built while tests are collected (outside any per-test timeout)."""
+fused CPU kernels built while tests are collected (outside any per-test timeout;
+tests/kernels.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zeal.inference.kernels import cpu_kernels
+from tests.kernels import build_in_first_worker
 
-cpu_kernels()
+build_in_first_worker()
 
 
 @pytest.fixture(autouse=True)
