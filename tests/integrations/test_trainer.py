@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-pytest.importorskip("accelerate")  # Trainer needs it
-transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from tests.needs import needs
 
-from zeal.integrations.transformers import ZealTrainer  # noqa: E402
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+# accelerate: Trainer needs it. transformers' Trainer and zeal's are imported by the tests that
+# use them, not while every worker collects the suite (~1.5 s each).
+pytestmark = needs("accelerate", "transformers")
 
 AUTO_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
@@ -37,6 +41,8 @@ class TokenData(torch.utils.data.Dataset):
 
 
 def tiny_llama() -> LlamaForCausalLM:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64, max_position_embeddings=32)
@@ -44,6 +50,8 @@ def tiny_llama() -> LlamaForCausalLM:
 
 
 def args(tmp_path, name: str, **kw) -> TrainingArguments:
+    from transformers import TrainingArguments
+
     base = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=2, gradient_accumulation_steps=2,
                 learning_rate=1e-2, max_steps=4, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
                 seed=0, dataloader_num_workers=0)
@@ -60,6 +68,10 @@ def losses(trainer: Trainer) -> list[float]:
 def test_stage0_matches_plain_trainer(tmp_path, samples, steps):
     """10 samples in batches of 2 with accumulation 2: every epoch ends with a one-batch
     update, which the engine must make where Trainer makes it."""
+    from transformers import Trainer
+
+    from zeal.integrations.transformers import ZealTrainer
+
     ds = TokenData(n=samples)
     plain = Trainer(model=tiny_llama(), args=args(tmp_path, "plain", max_steps=steps), train_dataset=ds)
     plain.train()
@@ -77,6 +89,10 @@ def test_stage0_matches_plain_trainer(tmp_path, samples, steps):
 
 @pytest.mark.timeout(300)
 def test_stage3_trains_and_saves_hf_model(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from zeal.integrations.transformers import ZealTrainer
+
     ds = TokenData()
     cfg = dict(AUTO_CONFIG, zero_optimization={"stage": 3})
     zt = ZealTrainer(model=tiny_llama(), args=args(tmp_path, "z3", max_steps=8, learning_rate=3e-2,
@@ -100,6 +116,8 @@ def test_stage3_trains_and_saves_hf_model(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_checkpoint_resume_continues_the_run(tmp_path):
+    from zeal.integrations.transformers import ZealTrainer
+
     ds = TokenData()
     cfg = dict(AUTO_CONFIG, zero_optimization={"stage": 2})
     full = ZealTrainer(model=tiny_llama(), args=args(tmp_path, "full", max_steps=6), train_dataset=ds,
@@ -121,6 +139,8 @@ def test_checkpoint_resume_continues_the_run(tmp_path):
 def _train_and_eval(rank: int, world: int, stage: int, out: str) -> tuple[list[float], float]:
     """ZealTrainer on ``world`` ranks with the same global batch (8 = every sample, so the
     order a sampler picks does not matter), then evaluate() through the engine."""
+    from zeal.integrations.transformers import ZealTrainer
+
     bs = 8 // (2 * world)
     zt = ZealTrainer(model=tiny_llama(), args=args(Path(out), f"w{world}", per_device_train_batch_size=bs),
                      train_dataset=TokenData(n=8), zeal_config=dict(AUTO_CONFIG, zero_optimization={"stage": stage}))
