@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import platform
 import shutil
 
-from zeal.inference.kernels import cpu_kernels
+from zeal.inference.kernels import cpu_kernels, wanted
 
 
 def build_in_first_worker() -> None:
@@ -22,8 +21,8 @@ def build_in_first_worker() -> None:
 
 def can_build() -> bool:
     """Whether the kernels build here (what :func:`cpu_kernels` needs), without building them."""
-    return (os.environ.get("ZEAL_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "aarch64")
-            and shutil.which(os.environ.get("CXX", "c++")) is not None and importlib.util.find_spec("ninja") is not None)
+    return (wanted() and shutil.which(os.environ.get("CXX", "c++")) is not None
+            and importlib.util.find_spec("ninja") is not None)
 
 
 class LazyOps:

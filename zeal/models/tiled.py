@@ -284,12 +284,13 @@ class _TiledLoss(torch.autograd.Function):
         ctx.tile_loss, ctx.linear, ctx.hold, ctx.n, ctx.params = tile_loss, linear, hold, n, params
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         lse = torch.empty(x.size(0), dtype=torch.float32, device=x.device) if linear is not None else None
+        lse_tiles = lse.tensor_split(n) if lse is not None else [None] * n
         with _held(hold, params):
-            for i, (xt, yt) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))):
+            for xt, yt, lt in zip(x.tensor_split(n), y.tensor_split(n), lse_tiles):
                 if linear is None:
                     total += tile_loss(xt, yt)
                 else:
-                    total += th.forward_tile(linear[0], xt, yt, linear[1], lse.tensor_split(n)[i])
+                    total += th.forward_tile(linear[0], xt, yt, linear[1], lt)
         ctx.save_for_backward(x, y, lse)
         return total
 

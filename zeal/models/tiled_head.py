@@ -80,11 +80,7 @@ def backward_by_slices(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, lse: t
         for xt, yt, lt, ct, gt in tiles:
             p = _block_grad(F.linear(xt, wj).float(), lt, yt, ct, v0, grad)
             if acc is not None:  # the products autograd would take: the logits' gradient in their dtype
-                dl = p.to(wj.dtype)
-                if dl.dtype == acc.dtype:
-                    acc.addmm_(dl.t(), xt)
-                else:
-                    acc.add_(dl.t() @ xt)
+                add_product(acc, p.to(wj.dtype).t(), xt)
             if gt is not None:
                 gt.addmm_(p, wj32)
         if gw is not None:
@@ -111,12 +107,16 @@ def tile_backward(head: nn.Linear, ignore_index: int, xt: torch.Tensor, yt: torc
     xd = xt.detach()
     step = vocab_slice(xd.size(-1))
     for v in range(0, w.size(0), step):
-        part = dlogits[:, v:v + step].t()
-        if acc[0].dtype == part.dtype:
-            acc[0][v:v + step].addmm_(part, xd)
-        else:
-            acc[0][v:v + step].add_(part @ xd)
+        add_product(acc[0][v:v + step], dlogits[:, v:v + step].t(), xd)
     return start + xt.size(0)
+
+
+def add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b``: in place when the dtypes agree, else through ``a @ b`` in theirs."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    else:
+        acc.add_(a @ b)
 
 
 def cross_entropy_grad(logits: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, ignore_index: int) -> torch.Tensor:

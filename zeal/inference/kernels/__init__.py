@@ -82,12 +82,17 @@ def _load() -> object:
     return torch.ops.zeal_cpu
 
 
+def wanted() -> bool:
+    """Whether this machine is one the kernels are built for, and ``ZEAL_CPU_KERNELS`` is not 0."""
+    return os.environ.get("ZEAL_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "aarch64")
+
+
 def cpu_kernels() -> object | None:
     """``torch.ops.zeal_cpu`` once built and loaded; None where they can't be (logged once)."""
     with _lock:
         if "ops" not in _state:
             ops = None
-            if os.environ.get("ZEAL_CPU_KERNELS", "1") != "0" and platform.machine() in ("x86_64", "aarch64"):
+            if wanted():
                 try:
                     ops = _load()
                 except Exception as e:  # no compiler, no ninja, a read-only cache: stay pure torch
